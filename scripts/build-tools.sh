@@ -9,12 +9,16 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+# kwok needs stage definitions (how fake nodes and pods move through their lifecycle); we take the ones its
+# module ships and keep them beside the binaries.
+kwok_stages=(node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
+  pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml)
 
 log() { printf '[build-tools] %s\n' "$*" >&2; }
 
 if [ -n "${COLOCATE_BIN_DIR:-}" ]; then
-  for b in "${binaries[@]}"; do
-    [ -x "$COLOCATE_BIN_DIR/$b" ] || { log "COLOCATE_BIN_DIR=$COLOCATE_BIN_DIR has no executable '$b'"; exit 1; }
+  for b in "${binaries[@]}" kwok-stages.yaml; do
+    [ -e "$COLOCATE_BIN_DIR/$b" ] || { log "COLOCATE_BIN_DIR=$COLOCATE_BIN_DIR has no '$b'"; exit 1; }
   done
   echo "$COLOCATE_BIN_DIR"; exit 0
 fi
@@ -26,7 +30,7 @@ out="${COLOCATE_CACHE_DIR:-$HOME/.cache/colocate-operator}/bin-$kube_version-$ke
 
 missing=()
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing+=("$b"); done
-if [ ${#missing[@]} -eq 0 ]; then log "control-plane binaries cached in $out"; echo "$out"; exit 0; fi
+if [ ${#missing[@]} -eq 0 ] && [ -s "$out/kwok-stages.yaml" ]; then log "control-plane binaries cached in $out"; echo "$out"; exit 0; fi
 
 mkdir -p "$out"
 export CGO_ENABLED=0 GOFLAGS=-mod=readonly
@@ -40,8 +44,15 @@ build() {  # build <module dir> <packages...>; one call per module shares its bu
 
 need() { local b; for b in "$@"; do [[ " ${missing[*]} " == *" $b "* ]] && return 0; done; return 1; }
 
-if need etcd; then ldflags="-s -w" build "$root/tools/etcd" go.etcd.io/etcd/server/v3 && mv "$out/v3" "$out/etcd" 2>/dev/null || true; fi
+if need etcd; then  # the etcd server's main package is named after its directory, "server"
+  ldflags="-s -w" build "$root/tools/etcd" go.etcd.io/etcd/server/v3 && mv "$out/server" "$out/etcd"
+fi
 if need kwok; then ldflags="-s -w" build "$root/tools/kwok" sigs.k8s.io/kwok/cmd/kwok; fi
+if [ ! -s "$out/kwok-stages.yaml" ]; then
+  kwok_dir=$(cd "$root/tools/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+  for f in "${kwok_stages[@]}"; do cat "$kwok_dir/kustomize/stage/$f"; echo "---"; done > "$out/kwok-stages.yaml.tmp"
+  mv "$out/kwok-stages.yaml.tmp" "$out/kwok-stages.yaml"
+fi
 if need helm; then ldflags="-s -w" build "$root/tools/helm" helm.sh/helm/v4/cmd/helm; fi
 if need kube-apiserver kube-controller-manager kube-scheduler kubectl; then
   minor=$(echo "$kube_version" | cut -d. -f2)

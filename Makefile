@@ -1,0 +1,30 @@
+# The two commands: `make test` and `make demo`. Both run `make setup` first; it is idempotent and quick
+# once everything is installed.
+SHELL := /bin/bash
+PY := .venv/bin/python
+BIN_DIR = $$(bash scripts/build-tools.sh)
+
+.PHONY: setup test test-unit lint demo cluster-up cluster-down
+
+setup:
+	@bash scripts/setup.sh
+
+lint: setup
+	@.venv/bin/ruff check .
+
+## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
+test: lint
+	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest $(PYTEST_ARGS)
+
+## Fast tests only (no control plane).
+test-unit: setup
+	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+demo: setup
+	@COLOCATE_BIN_DIR=$(BIN_DIR) bash scripts/demo.sh
+
+cluster-up: setup
+	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m colocate_devcluster up
+
+cluster-down:
+	@$(PY) -m colocate_devcluster down

@@ -1,0 +1,43 @@
+"""Finding the control-plane binaries that scripts/build-tools.sh builds from Go modules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REQUIRED = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
+KWOK_STAGES = "kwok-stages.yaml"
+CACHE_ROOT = Path(os.environ.get("COLOCATE_CACHE_DIR", Path.home() / ".cache" / "colocate-operator"))
+
+
+class MissingBinaries(RuntimeError):
+    pass
+
+
+def _missing(directory: Path) -> list[str]:
+    gone = [b for b in REQUIRED if not os.access(directory / b, os.X_OK)]
+    if not (directory / KWOK_STAGES).is_file():
+        gone.append(KWOK_STAGES)
+    return gone
+
+
+def find_bin_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The directory of control-plane binaries: explicit, else $COLOCATE_BIN_DIR, else the newest complete
+    build in the cache. Raises MissingBinaries with the fix when none is usable."""
+    chosen = explicit or os.environ.get("COLOCATE_BIN_DIR")
+    if chosen:
+        directory = Path(chosen)
+        gone = _missing(directory)
+        if gone:
+            raise MissingBinaries(
+                f"{directory} lacks {', '.join(gone)}; run `make setup` to build them"
+            )
+        return directory
+    candidates = sorted(CACHE_ROOT.glob("bin-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for directory in candidates:
+        if not _missing(directory):
+            return directory
+    raise MissingBinaries(
+        f"no complete set of control-plane binaries ({', '.join(REQUIRED)}) under {CACHE_ROOT}; "
+        "run `make setup` to build them from Go modules, or point COLOCATE_BIN_DIR at prebuilt ones"
+    )

@@ -1,0 +1,288 @@
+"""Start, inspect and stop a loopback control plane: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler and kwok, seeded with fake GPU nodes that offer both `nvidia.com/gpu` and DRA devices."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from colocate_devcluster import manifests
+from colocate_devcluster.binaries import KWOK_STAGES, find_bin_dir
+from colocate_devcluster.pki import make_pki
+from colocate_devcluster.processes import Component, ComponentError, free_port, http_ok
+
+STATE_FILE = "state.json"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    workdir: Path
+    gpu_nodes: int = 4
+    gpus_per_node: int = 8
+    bin_dir: Path | None = None
+    ready_timeout: float = 180.0  # 2 shared cores: a cold apiserver can need a minute
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.gpu_nodes < 0 or self.gpus_per_node < 1:
+            raise ClusterError(
+                f"need gpu_nodes >= 0 and gpus_per_node >= 1, got {self.gpu_nodes}, {self.gpus_per_node}"
+            )
+
+
+@dataclass
+class Cluster:
+    spec: ClusterSpec
+    bin_dir: Path = field(init=False)
+    components: list[Component] = field(default_factory=list)
+    server: str = ""
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        self.bin_dir = find_bin_dir(self.spec.bin_dir)
+
+    # -- paths -----------------------------------------------------------------------------------------------
+    @property
+    def workdir(self) -> Path:
+        return self.spec.workdir
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        """Start every component and wait until the cluster schedules pods. On any failure, every process
+        started so far is stopped before the error propagates."""
+        if (self.workdir / STATE_FILE).exists() and Cluster.load(self.workdir).any_alive():
+            raise ClusterError(
+                f"a cluster from {self.workdir} is still running; stop it with `devcluster down`"
+            )
+        started = time.monotonic()
+        try:
+            self._start_components()
+            self._seed()
+        except BaseException:
+            self.stop()
+            raise
+        self._say(f"cluster ready in {time.monotonic() - started:.1f} s; KUBECONFIG={self.kubeconfig}")
+        return self
+
+    def stop(self) -> None:
+        for component in reversed(self.components):
+            component.stop()
+        state = self.workdir / STATE_FILE
+        if state.exists():
+            state.unlink()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def any_alive(self) -> bool:
+        return any(c.alive() for c in self.components)
+
+    def status(self) -> dict[str, bool]:
+        return {c.name: c.alive() for c in self.components}
+
+    @classmethod
+    def load(cls, workdir: Path) -> Cluster:
+        """The cluster a previous `up` left running, from its state file (for `down` and `status`)."""
+        state = json.loads((workdir / STATE_FILE).read_text())
+        cluster = cls(ClusterSpec(workdir=workdir, bin_dir=Path(state["bin_dir"]), verbose=False))
+        cluster.server, cluster.token = state["server"], state["token"]
+        cluster.components = [
+            Component(c["name"], [], Path(c["log"]), pid=c["pid"]) for c in state["components"]
+        ]
+        return cluster
+
+    # -- kubectl ---------------------------------------------------------------------------------------------
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
+        return result
+
+    def apply(self, objects: list[dict]) -> None:
+        self.kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+        )
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _say(self, message: str) -> None:
+        if self.spec.verbose:
+            print(f"[devcluster] {message}", file=sys.stderr, flush=True)
+
+    def _component(self, name: str, *args: str) -> Component:
+        component = Component(name, [str(self.bin_dir / name), *args], self.log_dir / f"{name}.log")
+        self._say(f"starting {name} (log: {component.log_path})")
+        component.start()
+        self.components.append(component)
+        self._write_state()
+        return component
+
+    def _write_state(self) -> None:
+        state = {
+            "bin_dir": str(self.bin_dir),
+            "server": self.server,
+            "token": self.token,
+            "kubeconfig": str(self.kubeconfig),
+            "components": [{"name": c.name, "pid": c.pid, "log": str(c.log_path)} for c in self.components],
+        }
+        (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def _start_components(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        pki = make_pki(self.workdir / "pki")
+        timeout = self.spec.ready_timeout
+
+        etcd_port, peer_port = free_port(), free_port()
+        etcd = self._component(
+            "etcd",
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=default=http://127.0.0.1:{peer_port}",
+            "--unsafe-no-fsync=true",
+            "--log-level=warn",
+        )
+        etcd.wait_until(lambda: http_ok(f"http://127.0.0.1:{etcd_port}/health"), timeout, "healthy")
+
+        self.token = secrets.token_hex(16)
+        (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        api_port = free_port()
+        self.server = f"https://127.0.0.1:{api_port}"
+        apiserver = self._component(
+            "kube-apiserver",
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={api_port}",
+            f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--client-ca-file={pki.ca_cert}",
+            f"--token-auth-file={self.workdir / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            "--profiling=false",
+        )
+        apiserver.wait_until(
+            lambda: http_ok(f"{self.server}/readyz", token=self.token, ca=pki.ca_cert), timeout, "ready"
+        )
+        self.kubeconfig.write_text(yaml.safe_dump(manifests.kubeconfig(self.server, pki.ca_cert, self.token)))
+        self._write_state()
+
+        kcm_port, sched_port, kwok_port = free_port(), free_port(), free_port()
+        kcm = self._component(
+            "kube-controller-manager",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={kcm_port}",
+            f"--cert-dir={self.workdir / 'kcm-certs'}",
+            f"--root-ca-file={pki.ca_cert}",
+            f"--service-account-private-key-file={pki.sa_key}",
+            f"--cluster-signing-cert-file={pki.ca_cert}",
+            f"--cluster-signing-key-file={pki.ca_key}",
+            "--profiling=false",
+        )
+        scheduler = self._component(
+            "kube-scheduler",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={sched_port}",
+            f"--cert-dir={self.workdir / 'scheduler-certs'}",
+            "--profiling=false",
+        )
+        self._component(
+            "kwok",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--config={self.bin_dir / KWOK_STAGES}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={'='.join(manifests.KWOK_ANNOTATION)}",
+            "--cidr=10.244.0.0/16",  # kwok's default pod CIDR would clash with common service ranges
+            "--node-ip=10.240.0.1",
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{kwok_port}",
+        )
+        kcm.wait_until(lambda: http_ok(f"https://127.0.0.1:{kcm_port}/healthz"), timeout, "healthy")
+        scheduler.wait_until(lambda: http_ok(f"https://127.0.0.1:{sched_port}/healthz"), timeout, "healthy")
+
+    def _seed(self) -> None:
+        self._say(f"creating {self.spec.gpu_nodes} fake GPU nodes with {self.spec.gpus_per_node} GPUs each")
+        self.apply(manifests.seed_objects(self.spec.gpu_nodes, self.spec.gpus_per_node))
+        self._wait(self._nodes_ready, "fake nodes Ready (kwok)")
+        # The controller-manager creates each namespace's default ServiceAccount; pods are refused before.
+        self._wait(
+            lambda: (
+                self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0
+            ),
+            "default ServiceAccount created (kube-controller-manager)",
+        )
+
+    def _nodes_ready(self) -> bool:
+        nodes = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        expected = self.spec.gpu_nodes + 1
+        ready = [
+            n
+            for n in nodes
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+        ]
+        return len(ready) >= expected
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.spec.ready_timeout
+        while time.monotonic() < deadline:
+            for component in self.components:
+                if not component.alive():
+                    raise component.explain_death()
+            if ready():
+                return
+            time.sleep(0.5)
+        raise ClusterError(
+            f"timed out after {self.spec.ready_timeout:.0f} s waiting for {what}; logs in {self.log_dir}"
+        )
+
+
+__all__ = ["Cluster", "ClusterError", "ClusterSpec", "ComponentError"]

@@ -1,0 +1,41 @@
+"""Session-wide fixtures: one real local control plane for all integration tests."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from colocate_devcluster import Cluster, ClusterSpec
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok, with 4 fake GPU nodes of 8
+    GPUs (extended resource and DRA devices) and one CPU node. KUBECONFIG points at it for the session."""
+    workdir = tmp_path_factory.mktemp("devcluster")
+    cluster = Cluster(ClusterSpec(workdir=workdir, gpu_nodes=4, gpus_per_node=8))
+    cluster.start()
+    previous = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        if previous is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = previous
+        print(f"\n[devcluster] component logs kept in {cluster.log_dir}", file=sys.stderr)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace per test, deleted (without waiting) afterwards."""
+    name = f"t-{secrets.token_hex(4)}"
+    cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}])
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
