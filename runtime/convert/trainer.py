@@ -1,0 +1,135 @@
+"""Trainer side: a Megatron-core rank's tensors to canonical pieces with exact boxes.
+
+`trainer_plan` is metadata only (what the rank holds, for planning and for hashing across ranks);
+`TrainerRankPlan.convert` applies it to the rank's actual tensors. Inputs are checked strictly: a missing,
+unknown or wrongly shaped tensor is an error naming it, never a silent skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from colocate_runtime.convert.errors import (
+    ConvertError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+)
+from colocate_runtime.convert.layout import MegatronLayout, MegatronRank
+from colocate_runtime.convert.params import MegatronParam
+from colocate_runtime.convert.registry import stage_blocks
+from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.shards import RankShards, TensorShard
+
+ConvertedPiece = tuple[TensorShard, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One model chunk (virtual pipeline stage) of a trainer rank."""
+
+    vp_stage: int
+    layers: range  # global layer ids; Megatron names them decoder.layers.0 .. len - 1
+    params: tuple[MegatronParam, ...]
+
+
+@dataclass(frozen=True)
+class TrainerRankPlan:
+    spec: ModelSpec
+    layout: MegatronLayout
+    rank: MegatronRank
+    chunks: tuple[ChunkPlan, ...]
+
+    def shards(self) -> list[TensorShard]:
+        return [piece.shard for chunk in self.chunks for param in chunk.params for piece in param.pieces]
+
+    def rank_shards(self, rank: int) -> RankShards:
+        """This rank's sources for the transfer plan, under the plan's rank id."""
+        return RankShards.of(rank, self.shards())
+
+    def convert(
+        self, tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[ConvertedPiece]:
+        """Canonical pieces of this rank. `tensors` holds one name -> tensor mapping per model chunk (a bare
+        mapping when there is no virtual pipeline), e.g. each chunk's `state_dict()` (buffers included, since
+        `expert_bias` is a buffer). Data are views where the layout allows, cast to each shard's dtype."""
+        chunks = [tensors] if isinstance(tensors, Mapping) else list(tensors)
+        if len(chunks) != len(self.chunks):
+            raise ConvertError(
+                f"trainer rank {self.rank}: got {len(chunks)} model chunk(s), layout has {len(self.chunks)}"
+            )
+        out: list[ConvertedPiece] = []
+        with torch.no_grad():
+            for plan, named in zip(self.chunks, chunks, strict=True):
+                out += self._convert_chunk(plan, named)
+        return out
+
+    def _convert_chunk(self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]) -> list[ConvertedPiece]:
+        where = f"trainer rank {self.rank} chunk {plan.vp_stage}"
+        named = {strip_wrappers(name): t for name, t in tensors.items() if not name.endswith("_extra_state")}
+        chosen: list[tuple[str, MegatronParam]] = []
+        missing = []
+        for param in plan.params:
+            name = next((n for n in param.names if n in named), None)
+            if name is not None:
+                chosen.append((name, param))
+            elif not param.optional:
+                missing.append(param.names[0])
+        if missing:
+            raise MissingTensorError(where, missing)
+        unexpected = sorted(set(named) - {name for name, _ in chosen})
+        if unexpected:
+            raise UnexpectedTensorError(where, unexpected)
+        for name, param in chosen:
+            if tuple(named[name].shape) != param.shape:
+                raise ShapeMismatchError(
+                    name, param.shape, tuple(named[name].shape), f"{where} of {self.layout}"
+                )
+        return [
+            (piece.shard, cast(piece.extract(named[name].detach()), piece.shard.dtype))
+            for name, param in chosen
+            for piece in param.pieces
+        ]
+
+
+def strip_wrappers(name: str) -> str:
+    """DDP and Float16Module prefix parameter names with `module.` (possibly twice)."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+    return tensor.to(getattr(torch, dtype))
+
+
+def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) -> TrainerRankPlan:
+    """What trainer rank `rank` holds, as canonical boxes (no tensors needed)."""
+    pipeline = layout.pipeline_for(spec)
+    groups = layout.groups(spec, rank)
+    chunks = []
+    for vp in range(pipeline.vpp):
+        layers = pipeline.layers(rank.pp_rank, vp)
+        local = {layer: i for i, layer in enumerate(layers)}
+        blocks = stage_blocks(
+            spec, layers, pipeline.is_first(rank.pp_rank, vp), pipeline.is_last(rank.pp_rank, vp)
+        )
+        params = tuple(
+            param
+            for layer, block in blocks
+            for param in block.megatron(groups, "" if layer is None else f"decoder.layers.{local[layer]}.")
+        )
+        chunks.append(ChunkPlan(vp, layers, params))
+    return TrainerRankPlan(spec, layout, rank, tuple(chunks))
+
+
+def convert_trainer_rank(
+    spec: ModelSpec,
+    layout: MegatronLayout,
+    rank: MegatronRank,
+    tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+) -> list[ConvertedPiece]:
+    return trainer_plan(spec, layout, rank).convert(tensors)
