@@ -185,6 +185,7 @@ class Cluster:
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            "--endpoint-reconciler-type=none",  # it refuses loopback addresses; nothing in-cluster needs them
             f"--secure-port={api_port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.serving_cert}",

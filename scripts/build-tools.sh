@@ -24,7 +24,7 @@ if [ -n "${COLOCATE_BIN_DIR:-}" ]; then
 fi
 
 command -v go >/dev/null || { log "the Go toolchain is required (go >= 1.26): https://go.dev/doc/install"; exit 1; }
-kube_version=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$root/tools/k8s/go.mod")
+kube_version=$(grep -oE 'k8s\.io/kubernetes v[0-9.]+' "$root/tools/k8s/go.mod" | head -1 | cut -d' ' -f2)
 key=$(cat "$root"/tools/*/go.mod "$root"/tools/*/go.sum | sha256sum | cut -c1-12)
 out="${COLOCATE_CACHE_DIR:-$HOME/.cache/colocate-operator}/bin-$kube_version-$key"
 
@@ -37,7 +37,7 @@ export CGO_ENABLED=0 GOFLAGS=-mod=readonly
 build() {  # build <module dir> <packages...>; one call per module shares its build cache
   local dir=$1; shift
   local start=$SECONDS
-  log "building $(basename "$dir"): $* (a cold build of Kubernetes takes 10-25 minutes on 2 cores)"
+  log "building $*"
   (cd "$dir" && go build -trimpath -ldflags "${ldflags:-}" -o "$out/" "$@")
   log "built $(basename "$dir") in $((SECONDS - start)) s"
 }
@@ -61,6 +61,7 @@ if need kube-apiserver kube-controller-manager kube-scheduler kubectl; then
     ldflags+=" -X $p.gitVersion=$kube_version -X $p.gitMajor=1 -X $p.gitMinor=$minor"
     ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
+  log "Kubernetes $kube_version from source: about 7-25 minutes on 2 cores"
   build "$root/tools/k8s" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
 fi
