@@ -1,0 +1,139 @@
+"""Names the API, the children and the status share: one place, so a rename cannot drift.
+
+Nothing here talks to Kubernetes; every other module may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# The custom resource.
+GROUP: Final = "colocate.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "ColocateJob"
+PLURAL: Final = "colocatejobs"
+SHORT_NAME: Final = "cj"
+OPERATOR_NAME: Final = "colocate-operator"
+
+# Labels on every child. Selectors use LABEL_JOB plus LABEL_COMPONENT; nothing selects on user labels.
+LABEL_JOB: Final = f"{GROUP}/job"
+LABEL_COMPONENT: Final = f"{GROUP}/component"
+LABEL_REPLICA_INDEX: Final = f"{GROUP}/replica-index"
+LABEL_RESTART: Final = f"{GROUP}/restart"  # the group incarnation a pod belongs to (= status.restarts)
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+COMPONENT_WORKER: Final = "worker"
+COMPONENT_METASTORE: Final = "metastore"
+
+# Kueue plain pod groups (pods managed directly by a controller without a Job-level integration).
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+KUEUE_POD_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
+KUEUE_POD_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
+
+# The pod.
+CONTAINER_TRAINER: Final = "trainer"
+CONTAINER_ROLLOUT: Final = "rollout"
+CLAIM_NAME: Final = "gpus"  # the pod-level claim both containers reference
+SHM_VOLUME: Final = "dshm"
+SHM_MOUNT_PATH: Final = "/dev/shm"
+SOCKET_VOLUME: Final = "colocate-sockets"
+SOCKET_MOUNT_PATH: Final = "/run/colocate"
+GPU_TAINT_KEY: Final = "nvidia.com/gpu"
+
+# The managed meta-store.
+REDIS_PORT: Final = 6379
+SECRET_PASSWORD_KEY: Final = "password"
+SECRET_CONFIG_KEY: Final = "redis.conf"
+REDIS_CONFIG_MOUNT: Final = "/etc/colocate-redis"
+
+# kopf keeps its handler progress in annotations under this prefix (never in status: see the CRD).
+KOPF_PREFIX: Final = GROUP
+
+
+class Phase:
+    """status.phase: for printer columns and humans; decisions read conditions and counters."""
+
+    PENDING: Final = "Pending"
+    RUNNING: Final = "Running"
+    RESTARTING: Final = "Restarting"
+    SUSPENDED: Final = "Suspended"
+    SUCCEEDED: Final = "Succeeded"
+    FAILED: Final = "Failed"
+
+    TERMINAL: Final = frozenset({SUCCEEDED, FAILED})
+    ALL: Final = (PENDING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+
+
+class Cond:
+    """The fixed set of condition types. Never one type per step or per pod."""
+
+    META_STORE_READY: Final = "MetaStoreReady"
+    RESOURCES_ALLOCATED: Final = "ResourcesAllocated"
+    PODS_READY: Final = "PodsReady"
+    SUSPENDED: Final = "Suspended"
+    RESTARTING: Final = "Restarting"
+    SUCCEEDED: Final = "Succeeded"
+    FAILED: Final = "Failed"
+    # Written by the step-event consumer (weight-sync issue), never by the reconciler:
+    WEIGHT_SYNC_HEALTHY: Final = "WeightSyncHealthy"
+    PROGRESSING: Final = "Progressing"
+
+    RECONCILED: Final = (
+        META_STORE_READY,
+        RESOURCES_ALLOCATED,
+        PODS_READY,
+        SUSPENDED,
+        RESTARTING,
+        SUCCEEDED,
+        FAILED,
+    )
+    ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING)
+
+
+class Reason:
+    """CamelCase condition reasons and Event reasons: a stable API, so they are listed, not composed."""
+
+    # MetaStoreReady
+    REDIS_READY: Final = "RedisReady"
+    REDIS_STARTING: Final = "RedisStarting"
+    EXTERNAL_CONFIGURED: Final = "ExternalConfigured"
+    SECRET_NOT_FOUND: Final = "SecretNotFound"
+    # ResourcesAllocated
+    CLAIMS_ALLOCATED: Final = "ClaimsAllocated"
+    CLAIM_PENDING: Final = "ClaimPending"
+    DEVICE_CLASS_NOT_FOUND: Final = "DeviceClassNotFound"
+    DEVICE_PLUGIN_FALLBACK: Final = "DevicePluginFallback"
+    WAITING_FOR_SCHEDULING: Final = "WaitingForScheduling"
+    NO_PODS: Final = "NoPods"
+    # PodsReady
+    ALL_PODS_READY: Final = "AllPodsReady"
+    PODS_PENDING: Final = "PodsPending"
+    PODS_NOT_CREATED: Final = "PodsNotCreated"
+    WAITING_FOR_BACKOFF: Final = "WaitingForBackoff"
+    WAITING_FOR_OLD_PODS: Final = "WaitingForOldPods"
+    # Suspended
+    SUSPENDED_BY_USER: Final = "SuspendedByUser"
+    NOT_SUSPENDED: Final = "NotSuspended"
+    # Restarting (True while a whole-group restart is in progress)
+    POD_FAILED: Final = "PodFailed"
+    POD_DELETED: Final = "PodDeleted"
+    POD_EVICTED: Final = "PodEvicted"
+    POD_EXITED_WITHOUT_FINAL_STEP: Final = "PodExitedWithoutFinalStep"
+    GROUP_RUNNING: Final = "GroupRunning"
+    # Failed / Succeeded
+    MAX_RESTARTS_EXCEEDED: Final = "MaxRestartsExceeded"
+    DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
+    FINAL_STEP_RECORDED: Final = "FinalStepRecorded"
+    NOT_FINISHED: Final = "NotFinished"
+
+    # Events only.
+    CREATED_META_STORE: Final = "CreatedMetaStore"
+    CREATED_PODS: Final = "CreatedPods"
+    FAILED_TO_CREATE: Final = "FailedToCreate"
+    RESTARTING_GROUP: Final = "RestartingGroup"
+    DELETED_PODS: Final = "DeletedPods"
+    RESUMED: Final = "Resumed"
+    JOB_RUNNING: Final = "JobRunning"
+    JOB_FAILED: Final = "JobFailed"
+    JOB_SUCCEEDED: Final = "JobSucceeded"
+    TTL_EXPIRED: Final = "TTLExpired"

@@ -1,0 +1,508 @@
+"""The reconcile decision: (job, its status, what exists, now) -> a Plan. Pure; no API calls, no clock.
+
+Level-based: the plan depends only on the current state, so running it twice, or after a crash half-way
+through the previous one, converges. The only state kept between passes is in the job's status:
+`restarts` (the group incarnation; pods carry it as a label), `groupCreated` (whether a missing pod is a
+failure or just not created yet), and the timestamps. Transitions that delete pods (restart, fail, suspend)
+are persisted before the deletion (`persist_first`), so a crash between the two repeats the deletion, never
+the transition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from colocate_operator import conditions, gpus, metastore, names, pods
+from colocate_operator.conditions import Condition
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import Cond, Phase, Reason
+from colocate_operator.observed import ClaimState, Observed, PodState, child_key
+from colocate_operator.spec import ColocateJob
+
+# The status keys the reconciler writes; weightSync and recentSteps belong to the step-event consumer.
+OWNED_STATUS_KEYS = (
+    "phase",
+    "observedGeneration",
+    "restarts",
+    "groupCreated",
+    "ready",
+    "startTime",
+    "lastRestartTime",
+    "completionTime",
+    "replicas",
+    "metaStore",
+    "resourceClaims",
+    "conditions",
+)
+SOON = 1.0  # seconds: re-check after creating or deleting, when no watch event may come
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodRef:
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    status: dict[str, Any]
+    creates: tuple[dict[str, Any], ...] = ()
+    deletes: tuple[PodRef, ...] = ()
+    persist_first: bool = False
+    delete_job: bool = False
+    events: tuple[EventSpec, ...] = ()
+    requeue_after: float | None = None
+
+
+def parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+
+
+def restart_delay(restarts: int, base_seconds: float, cap_seconds: float) -> float:
+    """Backoff before creating group incarnation `restarts`: base, 2*base, 4*base, ... capped."""
+    if restarts <= 0 or base_seconds <= 0:
+        return 0.0
+    return float(min(cap_seconds, base_seconds * 2 ** min(restarts - 1, 30)))
+
+
+def _min_delay(*delays: float | None) -> float | None:
+    present = [d for d in delays if d is not None]
+    return max(0.0, min(present)) if present else None
+
+
+@dataclass
+class _Pass:
+    """Working state of one decision; turned into a Plan at the end."""
+
+    job: ColocateJob
+    status: dict[str, Any]
+    observed: Observed
+    now: datetime
+    updates: list[Condition] = field(default_factory=list)
+    events: list[EventSpec] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.job.spec.num_nodes
+
+    def condition(self, type_: str, status: bool, reason: str, message: str = "") -> None:
+        self.updates.append(Condition(type_, status, reason, message))
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append(EventSpec(type_, reason, message))
+
+    def previous_reason(self, type_: str) -> str | None:
+        found = conditions.find(self.status.get("conditions") or [], type_)
+        return found.get("reason") if found else None
+
+
+def decide(
+    job: ColocateJob,
+    status: dict[str, Any],
+    observed: Observed,
+    now: datetime,
+    config: OperatorConfig,
+    password: str,
+) -> Plan:
+    """`password` is used only if the meta-store Secret has to be created (the caller draws a fresh one)."""
+    p = _Pass(job, status, observed, now)
+    spec = job.spec
+    restarts = int(status.get("restarts") or 0)
+    phase = status.get("phase") or Phase.PENDING
+    store = metastore.endpoint(job, config)
+    new: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": job.ref.generation,
+        "restarts": restarts,
+        "groupCreated": bool(status.get("groupCreated")),
+        "metaStore": store.status(),
+    }
+    for key in ("startTime", "lastRestartTime", "completionTime"):
+        if status.get(key):
+            new[key] = status[key]
+
+    current = sorted(
+        (
+            pod
+            for pod in observed.pods
+            if pod.owned and pod.restart == restarts and pod.index is not None and 0 <= pod.index < p.n
+        ),
+        key=lambda pod: pod.index or 0,
+    )
+    stale = [pod for pod in observed.pods if pod not in current]
+    _replica_status(p, new, current)
+
+    if phase in Phase.TERMINAL:
+        return _terminal(p, new, config)
+
+    # Children that outlive pod groups: meta-store, claim template, headless Service.
+    infra = [
+        *metastore.managed_children(job, config, password),
+        gpus.claim_template(job),
+        pods.headless_service(job),
+    ]
+    creates: list[dict[str, Any]] = [
+        m for m in infra if m is not None and child_key(m) not in observed.children
+    ]
+    if any(m["kind"] == "Deployment" for m in creates):
+        p.event(
+            "Normal", Reason.CREATED_META_STORE, f"Created Redis meta-store {names.metastore(job.ref.name)}"
+        )
+    meta_ready = _metastore_condition(p, store)
+
+    if spec.suspend:
+        return _suspend(p, new, phase, creates)
+    start = parse_time(status.get("startTime"))
+    deadline = spec.run_policy.active_deadline_seconds
+    if deadline and start and now >= start + timedelta(seconds=deadline):
+        return _fail(
+            p,
+            new,
+            Reason.DEADLINE_EXCEEDED,
+            f"the job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}",
+            creates,
+        )
+    p.condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED)
+    if phase == Phase.SUSPENDED:
+        p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
+
+    final_recorded = bool((status.get("weightSync") or {}).get("finalStepRecorded"))
+    if final_recorded and len(current) == p.n and all(pod.phase == "Succeeded" for pod in current):
+        new.update(phase=Phase.SUCCEEDED, completionTime=conditions.timestamp(now))
+        p.condition(Cond.SUCCEEDED, True, Reason.FINAL_STEP_RECORDED, "the trainer recorded its final step")
+        p.event("Normal", Reason.JOB_SUCCEEDED, "All pods finished after the trainer recorded its final step")
+        return _plan(p, new, creates=creates, persist_first=True)
+
+    cause = _group_failure(job, current, new["groupCreated"], final_recorded)
+    if cause is not None:
+        reason, message = cause
+        if restarts >= spec.run_policy.max_restarts:
+            return _fail(
+                p,
+                new,
+                Reason.MAX_RESTARTS_EXCEEDED,
+                f"{message}; all {spec.run_policy.max_restarts} restarts used",
+                creates,
+            )
+        return _restart(p, new, reason, message, creates)
+
+    # No failure: finish a restart or a resume (old pods gone, backoff over), then create what is missing.
+    deletes = [PodRef(pod.name, pod.uid) for pod in stale if not pod.deleting]
+    requeue: float | None = None
+    pods_condition: Condition | None = None
+    if not new["groupCreated"]:
+        present = {pod.index for pod in current if not pod.deleting}
+        ready_at = (parse_time(status.get("lastRestartTime")) or now) + timedelta(
+            seconds=restart_delay(restarts, spec.run_policy.backoff_seconds, config.max_backoff_seconds)
+        )
+        if stale or len(present) < len(current):
+            pods_condition = Condition(
+                Cond.PODS_READY,
+                False,
+                Reason.WAITING_FOR_OLD_PODS,
+                f"waiting for {len(stale) + len(current) - len(present)} old pods to terminate",
+            )
+            requeue = SOON
+        elif len(present) == p.n:
+            new["groupCreated"] = True
+        elif now < ready_at:
+            pods_condition = Condition(
+                Cond.PODS_READY,
+                False,
+                Reason.WAITING_FOR_BACKOFF,
+                f"restart {restarts} creates pods at {conditions.timestamp(ready_at)}",
+            )
+            requeue = (ready_at - now).total_seconds()
+        elif gpus.uses_dra(job) and observed.device_class_found is False:
+            pass  # reported by ResourcesAllocated below; pods would only sit unschedulable
+        else:
+            store_pods = [pods.pod(job, i, restarts, store, config) for i in range(p.n) if i not in present]
+            creates.extend(store_pods)
+            new.setdefault("startTime", conditions.timestamp(now))
+            p.event(
+                "Normal",
+                Reason.CREATED_PODS,
+                f"Creating pods {', '.join(m['metadata']['name'] for m in store_pods)} "
+                f"(group restart {restarts})",
+            )
+            requeue = SOON
+
+    ready = _pods_condition(p, current, pods_condition)
+    _resources_condition(p, current)
+    running = ready and meta_ready and bool(new["groupCreated"])
+    restarting = conditions.is_true(status.get("conditions") or [], Cond.RESTARTING)
+    if running:
+        new["phase"] = Phase.RUNNING
+        if restarting:
+            p.condition(Cond.RESTARTING, False, Reason.GROUP_RUNNING, f"group restart {restarts} is running")
+        if phase != Phase.RUNNING:
+            p.event("Normal", Reason.JOB_RUNNING, f"All {p.n} pods are ready (group restart {restarts})")
+    else:
+        new["phase"] = Phase.RESTARTING if restarting else Phase.PENDING
+    if deletes:
+        requeue = _min_delay(requeue, SOON)
+    return _plan(p, new, creates=creates, deletes=deletes, requeue_after=requeue)
+
+
+def _group_failure(
+    job: ColocateJob, current: list[PodState], group_created: bool, final_recorded: bool
+) -> tuple[str, str] | None:
+    """Why the current group must be restarted, or None. A missing pod counts only once all existed."""
+    for pod in current:
+        if pod.phase == "Failed":
+            return (Reason.POD_EVICTED if pod.reason == "Evicted" else Reason.POD_FAILED), pod.describe()
+    for pod in current:
+        if pod.phase == "Succeeded" and not final_recorded:
+            return (
+                Reason.POD_EXITED_WITHOUT_FINAL_STEP,
+                f"pod {pod.name} exited before the trainer recorded its final step",
+            )
+    if group_created:
+        for pod in current:
+            if pod.deleting:
+                return Reason.POD_DELETED, f"pod {pod.name} was deleted"
+        present = {pod.index for pod in current}
+        missing = [i for i in range(job.spec.num_nodes) if i not in present]
+        if missing:
+            return Reason.POD_DELETED, f"pod {names.pod(job.ref.name, missing[0])} disappeared"
+    return None
+
+
+def _replica_status(p: _Pass, new: dict[str, Any], current: list[PodState]) -> None:
+    ready = sum(1 for pod in current if pod.ready and pod.phase == "Running")
+    new["replicas"] = {
+        "desired": p.n,
+        "created": len(current),
+        "scheduled": sum(1 for pod in current if pod.scheduled),
+        "running": sum(1 for pod in current if pod.phase == "Running"),
+        "ready": ready,
+        "failed": sum(1 for pod in current if pod.phase == "Failed"),
+    }
+    new["ready"] = f"{ready}/{p.n}"
+    claims = []
+    for pod in current:
+        if pod.claim:
+            state = p.observed.claims.get(pod.claim) or ClaimState(pod.claim, False)
+            claims.append(
+                {
+                    "pod": pod.name,
+                    "claim": pod.claim,
+                    "allocated": state.allocated,
+                    "devices": list(state.devices),
+                }
+            )
+    new["resourceClaims"] = claims
+
+
+def _metastore_condition(p: _Pass, store: metastore.MetaStoreEndpoint) -> bool:
+    if store.mode == "Managed":
+        ready = p.observed.metastore_ready
+        p.condition(
+            Cond.META_STORE_READY,
+            ready,
+            Reason.REDIS_READY if ready else Reason.REDIS_STARTING,
+            f"Redis at {store.address}" + ("" if ready else " is starting"),
+        )
+        return ready
+    if p.observed.external_secret_found is False:
+        p.condition(
+            Cond.META_STORE_READY,
+            False,
+            Reason.SECRET_NOT_FOUND,
+            f"secret {store.secret_name} with key {store.secret_key} not found",
+        )
+        return False
+    p.condition(Cond.META_STORE_READY, True, Reason.EXTERNAL_CONFIGURED, f"external Redis at {store.address}")
+    return True
+
+
+def _pods_condition(p: _Pass, current: list[PodState], override: Condition | None) -> bool:
+    ready = sum(1 for pod in current if pod.ready and pod.phase == "Running")
+    if override is not None:
+        p.updates.append(override)
+    elif ready == p.n:
+        p.condition(Cond.PODS_READY, True, Reason.ALL_PODS_READY, f"{ready}/{p.n} pods ready")
+    elif not current:
+        p.condition(Cond.PODS_READY, False, Reason.PODS_NOT_CREATED, f"0/{p.n} pods created")
+    else:
+        p.condition(Cond.PODS_READY, False, Reason.PODS_PENDING, f"{ready}/{p.n} pods ready")
+    return override is None and ready == p.n
+
+
+def _resources_condition(p: _Pass, current: list[PodState]) -> None:
+    job = p.job
+    if not gpus.uses_dra(job):
+        scheduled = sum(1 for pod in current if pod.scheduled)
+        if current and scheduled == p.n:
+            p.condition(
+                Cond.RESOURCES_ALLOCATED,
+                True,
+                Reason.DEVICE_PLUGIN_FALLBACK,
+                f"{scheduled}/{p.n} pods scheduled; GPUs from the device plugin (no DRA isolation)",
+            )
+        else:
+            p.condition(
+                Cond.RESOURCES_ALLOCATED,
+                False,
+                Reason.WAITING_FOR_SCHEDULING,
+                f"{scheduled}/{p.n} pods scheduled",
+            )
+        return
+    device_class = job.spec.gpu.device_class_name
+    if p.observed.device_class_found is False:
+        if p.previous_reason(Cond.RESOURCES_ALLOCATED) != Reason.DEVICE_CLASS_NOT_FOUND:
+            p.event("Warning", Reason.DEVICE_CLASS_NOT_FOUND, f"DeviceClass {device_class} does not exist")
+        p.condition(
+            Cond.RESOURCES_ALLOCATED,
+            False,
+            Reason.DEVICE_CLASS_NOT_FOUND,
+            f"DeviceClass {device_class} does not exist; pods are not created",
+        )
+        return
+    if not current:
+        p.condition(Cond.RESOURCES_ALLOCATED, False, Reason.NO_PODS, "no pods, so no claims")
+        return
+    allocated = sum(
+        1
+        for pod in current
+        if pod.claim and (p.observed.claims.get(pod.claim) or ClaimState("", False)).allocated
+    )
+    if allocated == p.n:
+        p.condition(
+            Cond.RESOURCES_ALLOCATED,
+            True,
+            Reason.CLAIMS_ALLOCATED,
+            f"{allocated}/{p.n} claims allocated, {job.spec.gpus_per_node} {device_class} devices each",
+        )
+    else:
+        p.condition(
+            Cond.RESOURCES_ALLOCATED, False, Reason.CLAIM_PENDING, f"{allocated}/{p.n} claims allocated"
+        )
+
+
+def _suspend(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]]) -> Plan:
+    deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting]
+    new.update(phase=Phase.SUSPENDED, groupCreated=False)
+    message = "pods deleted; meta-store, claim template and Services kept"
+    p.condition(Cond.SUSPENDED, True, Reason.SUSPENDED_BY_USER, message)
+    p.condition(Cond.PODS_READY, False, Reason.SUSPENDED_BY_USER, "suspended")
+    p.condition(Cond.RESOURCES_ALLOCATED, False, Reason.SUSPENDED_BY_USER, "suspended")
+    if conditions.find(p.status.get("conditions") or [], Cond.RESTARTING):
+        p.condition(Cond.RESTARTING, False, Reason.SUSPENDED_BY_USER, "suspended")
+    if phase != Phase.SUSPENDED:
+        p.event("Normal", Reason.SUSPENDED_BY_USER, f"Suspended: deleting {len(deletes)} pods")
+    return _plan(
+        p,
+        new,
+        creates=creates,
+        deletes=deletes,
+        persist_first=phase != Phase.SUSPENDED,
+        requeue_after=SOON if p.observed.pods else None,
+    )
+
+
+def _restart(p: _Pass, new: dict[str, Any], reason: str, message: str, creates: list[dict[str, Any]]) -> Plan:
+    restarts = int(new["restarts"]) + 1
+    limit = p.job.spec.run_policy.max_restarts
+    new.update(
+        phase=Phase.RESTARTING,
+        restarts=restarts,
+        groupCreated=False,
+        lastRestartTime=conditions.timestamp(p.now),
+    )
+    detail = f"{message}; recreating all {p.n} pods (restart {restarts} of {limit})"
+    p.condition(Cond.RESTARTING, True, reason, detail)
+    p.condition(Cond.PODS_READY, False, reason, message)
+    p.event("Warning", Reason.RESTARTING_GROUP, detail)
+    deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting]
+    return _plan(p, new, creates=creates, deletes=deletes, persist_first=True, requeue_after=SOON)
+
+
+def _fail(p: _Pass, new: dict[str, Any], reason: str, message: str, creates: list[dict[str, Any]]) -> Plan:
+    new.update(phase=Phase.FAILED, completionTime=conditions.timestamp(p.now), groupCreated=False)
+    p.condition(Cond.FAILED, True, reason, message)
+    p.condition(Cond.PODS_READY, False, reason, message)
+    if conditions.find(p.status.get("conditions") or [], Cond.RESTARTING):
+        p.condition(Cond.RESTARTING, False, reason, "the job failed")
+    p.event("Warning", Reason.JOB_FAILED, f"{reason}: {message}")
+    # Keep finished pods for their logs; delete the rest so the GPUs are free.
+    deletes = [
+        PodRef(pod.name, pod.uid)
+        for pod in p.observed.pods
+        if not pod.deleting and pod.phase not in ("Succeeded", "Failed")
+    ]
+    ttl = p.job.spec.run_policy.ttl_seconds_after_finished
+    return _plan(
+        p,
+        new,
+        creates=creates,
+        deletes=deletes,
+        persist_first=True,
+        requeue_after=float(ttl) if ttl is not None else None,
+    )
+
+
+def _terminal(p: _Pass, new: dict[str, Any], config: OperatorConfig) -> Plan:
+    deletes = [
+        PodRef(pod.name, pod.uid)
+        for pod in p.observed.pods
+        if not pod.deleting and pod.phase not in ("Succeeded", "Failed")
+    ]
+    ttl = p.job.spec.run_policy.ttl_seconds_after_finished
+    finished = parse_time(p.status.get("completionTime"))
+    if ttl is not None and finished is not None:
+        expires = finished + timedelta(seconds=ttl)
+        if p.now >= expires:
+            p.event("Normal", Reason.TTL_EXPIRED, f"Deleting the job {ttl}s after it finished")
+            return _plan(p, new, deletes=deletes, delete_job=True)
+        return _plan(p, new, deletes=deletes, requeue_after=(expires - p.now).total_seconds())
+    return _plan(p, new, deletes=deletes, requeue_after=SOON if deletes else None)
+
+
+def _plan(
+    p: _Pass,
+    new: dict[str, Any],
+    *,
+    creates: list[dict[str, Any]] | None = None,
+    deletes: list[PodRef] | None = None,
+    persist_first: bool = False,
+    delete_job: bool = False,
+    requeue_after: float | None = None,
+) -> Plan:
+    new["conditions"] = conditions.merge(
+        list(p.status.get("conditions") or []), p.updates, p.now, p.job.ref.generation
+    )
+    return Plan(
+        status=new,
+        creates=tuple(creates or ()),
+        deletes=tuple(deletes or ()),
+        persist_first=persist_first,
+        delete_job=delete_job,
+        events=tuple(p.events),
+        requeue_after=requeue_after,
+    )
+
+
+def status_patch(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch turning `current` into `desired` for the reconciler's keys; {} if nothing changed."""
+    patch: dict[str, Any] = {}
+    for key in OWNED_STATUS_KEYS:
+        if key in desired and current.get(key) != desired[key]:
+            patch[key] = desired[key]
+        elif key not in desired and current.get(key) is not None:
+            patch[key] = None  # merge-patch null removes it
+    return patch

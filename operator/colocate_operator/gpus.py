@@ -1,0 +1,68 @@
+"""Pure builders for how a pod gets its GPUs, so that both containers see the same devices.
+
+DRA: an operator-owned ResourceClaimTemplate; each pod gets one claim from it (named in
+pod.spec.resourceClaims) and both containers list that claim, which gives them the same devices.
+DevicePlugin: the device plugin allocates per container, so only the trainer can request GPUs; the rollout
+container sees the node's GPUs through NVIDIA_VISIBLE_DEVICES=all and the runtime narrows to the trainer's
+devices by UUID. That gives up isolation: it is safe only when the job owns whole nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colocate_operator import names
+from colocate_operator.constants import CLAIM_NAME, COMPONENT_WORKER, CONTAINER_TRAINER, GPU_TAINT_KEY
+from colocate_operator.spec import ColocateJob
+
+
+def uses_dra(job: ColocateJob) -> bool:
+    return job.spec.gpu.allocation == "DRA"
+
+
+def claim_template(job: ColocateJob) -> dict[str, Any] | None:
+    if not uses_dra(job):
+        return None
+    exactly: dict[str, Any] = {
+        "deviceClassName": job.spec.gpu.device_class_name,
+        "allocationMode": "ExactCount",
+        "count": job.spec.gpus_per_node,
+    }
+    if job.spec.gpu.selectors:
+        exactly["selectors"] = [{"cel": {"expression": expr}} for expr in job.spec.gpu.selectors]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": names.metadata(job.ref, names.claim_template(job.ref.name), COMPONENT_WORKER),
+        "spec": {"spec": {"devices": {"requests": [{"name": CLAIM_NAME, "exactly": exactly}]}}},
+    }
+
+
+def pod_resource_claims(job: ColocateJob) -> list[dict[str, Any]]:
+    if not uses_dra(job):
+        return []
+    return [{"name": CLAIM_NAME, "resourceClaimTemplateName": names.claim_template(job.ref.name)}]
+
+
+def container_resources(job: ColocateJob, role: str, user: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The user's cpu/memory plus this container's share of the GPUs."""
+    resources: dict[str, Any] = {k: dict(v) for k, v in user.items() if k in ("requests", "limits") and v}
+    if uses_dra(job):
+        resources["claims"] = [{"name": CLAIM_NAME}]
+    elif role == CONTAINER_TRAINER:
+        count = job.spec.gpus_per_node
+        resources.setdefault("limits", {})[job.spec.gpu.resource_name] = count
+        resources.setdefault("requests", {})[job.spec.gpu.resource_name] = count
+    return resources
+
+
+def container_env(job: ColocateJob, role: str) -> list[dict[str, Any]]:
+    """DevicePlugin only: let the rollout container see the GPUs its trainer was given (see module doc)."""
+    if uses_dra(job) or role == CONTAINER_TRAINER:
+        return []
+    return [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+
+
+def gpu_toleration() -> dict[str, Any]:
+    # DRA bypasses the extended-resource toleration injection, so the GPU taint is tolerated explicitly.
+    return {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}

@@ -1,0 +1,182 @@
+"""Pure builders for the job's meta-store: Secret, Redis Deployment, Service, NetworkPolicy.
+
+The password lives only in the Secret. Redis reads it from a config file mounted from that Secret, so it is
+neither in a pod spec nor on a process command line; the job's pods get it through secretKeyRef.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colocate_operator import names
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import (
+    COMPONENT_METASTORE,
+    COMPONENT_WORKER,
+    REDIS_CONFIG_MOUNT,
+    REDIS_PORT,
+    SECRET_CONFIG_KEY,
+    SECRET_PASSWORD_KEY,
+)
+from colocate_operator.spec import ColocateJob
+
+REDIS_UID = 999  # the redis user of the official images
+DEFAULT_REDIS_RESOURCES: dict[str, dict[str, Any]] = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"memory": "1Gi"},
+}
+
+
+@dataclass(frozen=True)
+class MetaStoreEndpoint:
+    """What the pods need: an address and where the password is (never the password itself)."""
+
+    mode: str
+    address: str
+    secret_name: str
+    secret_key: str
+
+    def status(self) -> dict[str, str]:
+        return {"mode": self.mode, "address": self.address, "secretName": self.secret_name}
+
+
+def endpoint(job: ColocateJob, config: OperatorConfig) -> MetaStoreEndpoint:
+    store = job.spec.meta_store
+    if store.mode == "External":
+        assert store.external is not None  # the CRD requires it for External
+        ref = store.external.password_secret_ref
+        return MetaStoreEndpoint("External", store.external.address, ref.name, ref.key)
+    host = names.service_fqdn(names.metastore(job.ref.name), job.ref.namespace, config.cluster_domain)
+    return MetaStoreEndpoint(
+        "Managed", f"{host}:{REDIS_PORT}", names.metastore_secret(job.ref.name), SECRET_PASSWORD_KEY
+    )
+
+
+def redis_config(password: str) -> str:
+    # No persistence: the meta-store holds per-step coordination keys with TTLs, nothing worth a disk.
+    return "\n".join(
+        [
+            f"port {REDIS_PORT}",
+            f"requirepass {password}",
+            'save ""',
+            "appendonly no",
+            "dir /data",
+            "",
+        ]
+    )
+
+
+def secret(job: ColocateJob, password: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": names.metadata(job.ref, names.metastore_secret(job.ref.name), COMPONENT_METASTORE),
+        "type": "Opaque",
+        "stringData": {SECRET_PASSWORD_KEY: password, SECRET_CONFIG_KEY: redis_config(password)},
+    }
+
+
+def deployment(job: ColocateJob) -> dict[str, Any]:
+    name = names.metastore(job.ref.name)
+    store = job.spec.meta_store
+    container = {
+        "name": "redis",
+        "image": store.image,
+        "command": ["redis-server", f"{REDIS_CONFIG_MOUNT}/{SECRET_CONFIG_KEY}"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": store.resources or DEFAULT_REDIS_RESOURCES,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": REDIS_CONFIG_MOUNT, "readOnly": True},
+            {"name": "data", "mountPath": "/data"},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": names.metadata(job.ref, name, COMPONENT_METASTORE),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},  # never two Redis instances with diverging state
+            "selector": {"matchLabels": names.selector(job.ref.name, COMPONENT_METASTORE)},
+            "template": {
+                "metadata": {"labels": names.labels(job.ref.name, COMPONENT_METASTORE)},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": REDIS_UID,
+                        "runAsGroup": REDIS_UID,
+                        "fsGroup": REDIS_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "config",
+                            "secret": {
+                                "secretName": names.metastore_secret(job.ref.name),
+                                "items": [{"key": SECRET_CONFIG_KEY, "path": SECRET_CONFIG_KEY}],
+                                "defaultMode": 0o440,
+                            },
+                        },
+                        {"name": "data", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def service(job: ColocateJob) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.metadata(job.ref, names.metastore(job.ref.name), COMPONENT_METASTORE),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": names.selector(job.ref.name, COMPONENT_METASTORE),
+            "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
+        },
+    }
+
+
+def network_policy(job: ColocateJob, config: OperatorConfig) -> dict[str, Any]:
+    """Only this job's pods (and the operator, when it runs in the cluster) may reach its Redis."""
+    peers: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": names.selector(job.ref.name, COMPONENT_WORKER)}}
+    ]
+    if config.operator_namespace:
+        peers.append(
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}
+                },
+                "podSelector": {"matchLabels": dict(config.operator_pod_labels)},
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": names.metadata(job.ref, names.metastore(job.ref.name), COMPONENT_METASTORE),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector(job.ref.name, COMPONENT_METASTORE)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": peers, "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}],
+        },
+    }
+
+
+def managed_children(job: ColocateJob, config: OperatorConfig, password: str) -> list[dict[str, Any]]:
+    """In creation order: the Secret before the Deployment that mounts it."""
+    if job.spec.meta_store.mode != "Managed":
+        return []
+    return [secret(job, password), deployment(job), service(job), network_policy(job, config)]

@@ -1,0 +1,93 @@
+"""Deterministic child names, labels and ownerReferences: a restarted operator finds what it made before.
+
+The CRD limits job names to DNS-1035 labels of at most 40 characters, so every name below fits the
+63-character limit of Service names and pod hostnames.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colocate_operator.constants import (
+    API_VERSION,
+    KIND,
+    LABEL_COMPONENT,
+    LABEL_JOB,
+    LABEL_MANAGED_BY,
+    OPERATOR_NAME,
+)
+from colocate_operator.spec import JobRef
+
+
+def headless_service(job: str) -> str:
+    return job
+
+
+def pod(job: str, index: int) -> str:
+    return f"{job}-{index}"
+
+
+def claim_template(job: str) -> str:
+    return f"{job}-gpus"
+
+
+def metastore(job: str) -> str:
+    """The managed Redis Deployment, its Service and its NetworkPolicy share this name."""
+    return f"{job}-metastore"
+
+
+def metastore_secret(job: str) -> str:
+    return f"{job}-metastore-auth"
+
+
+def pod_fqdn(job: str, index: int, namespace: str, cluster_domain: str) -> str:
+    return f"{pod(job, index)}.{headless_service(job)}.{namespace}.svc.{cluster_domain}"
+
+
+def service_fqdn(service: str, namespace: str, cluster_domain: str) -> str:
+    return f"{service}.{namespace}.svc.{cluster_domain}"
+
+
+def selector(job: str, component: str) -> dict[str, str]:
+    return {LABEL_JOB: job, LABEL_COMPONENT: component}
+
+
+def label_selector(job: str, component: str | None = None) -> str:
+    """The string form for list calls."""
+    labels = {LABEL_JOB: job} if component is None else selector(job, component)
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def labels(job: str, component: str) -> dict[str, str]:
+    return {**selector(job, component), LABEL_MANAGED_BY: OPERATOR_NAME}
+
+
+def owner_reference(ref: JobRef) -> dict[str, Any]:
+    """Controller reference: garbage collection deletes every child with the job."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": ref.name,
+        "uid": ref.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(
+    ref: JobRef,
+    name: str,
+    component: str,
+    *,
+    extra_labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {**(extra_labels or {}), **labels(ref.name, component)},
+        "ownerReferences": [owner_reference(ref)],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta

@@ -1,0 +1,194 @@
+"""Pure builders for the worker pods and their headless Service, including the pod environment contract.
+
+Each pod holds a trainer and an SGLang (rollout) container on the same GPUs, with a shared PID namespace,
+one memory-backed /dev/shm and one socket directory mounted in both. The in-pod runtime reads the
+COLOCATE_* variables below (documented in operator/README.md); both containers get the same set, plus
+COLOCATE_CONTAINER telling them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colocate_operator import gpus, names
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import (
+    COMPONENT_WORKER,
+    CONTAINER_ROLLOUT,
+    CONTAINER_TRAINER,
+    KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    KUEUE_POD_GROUP_LABEL,
+    KUEUE_QUEUE_LABEL,
+    LABEL_REPLICA_INDEX,
+    LABEL_RESTART,
+    SHM_MOUNT_PATH,
+    SHM_VOLUME,
+    SOCKET_MOUNT_PATH,
+    SOCKET_VOLUME,
+)
+from colocate_operator.metastore import MetaStoreEndpoint
+from colocate_operator.spec import DEFAULT_PORTS, ColocateJob
+
+ROLES = (CONTAINER_TRAINER, CONTAINER_ROLLOUT)
+PORT_NAMES = {CONTAINER_TRAINER: "rendezvous", CONTAINER_ROLLOUT: "http"}
+
+
+def port(job: ColocateJob, role: str) -> int:
+    return job.spec.container(role).port or DEFAULT_PORTS[role]
+
+
+def headless_service(job: ColocateJob) -> dict[str, Any]:
+    """Stable DNS names <job>-<i>.<job>.<ns>.svc for rendezvous, published before pods are ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": names.metadata(job.ref, names.headless_service(job.ref.name), COMPONENT_WORKER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": names.selector(job.ref.name, COMPONENT_WORKER),
+            "ports": [
+                {
+                    "name": PORT_NAMES[role],
+                    "port": port(job, role),
+                    "targetPort": port(job, role),
+                    "protocol": "TCP",
+                }
+                for role in ROLES
+            ],
+        },
+    }
+
+
+def contract_env(
+    job: ColocateJob, index: int, restart: int, role: str, store: MetaStoreEndpoint, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """The COLOCATE_* variables, identical in both containers except COLOCATE_CONTAINER."""
+    spec = job.spec
+    train, infer = spec.parallelism.train, spec.parallelism.inference
+    rendezvous = names.pod_fqdn(job.ref.name, 0, job.ref.namespace, config.cluster_domain)
+    values: list[tuple[str, object]] = [
+        ("COLOCATE_JOB_NAME", job.ref.name),
+        ("COLOCATE_NAMESPACE", job.ref.namespace),
+        ("COLOCATE_REPLICA_INDEX", index),
+        ("COLOCATE_NUM_NODES", spec.num_nodes),
+        ("COLOCATE_GPUS_PER_NODE", spec.gpus_per_node),
+        ("COLOCATE_RENDEZVOUS_ADDR", f"{rendezvous}:{port(job, CONTAINER_TRAINER)}"),
+        ("COLOCATE_METASTORE_ADDR", store.address),
+        ("COLOCATE_BUCKET_MB", spec.weight_sync.bucket_mb),
+        ("COLOCATE_STEP_TIMEOUT_SECONDS", spec.weight_sync.step_timeout_seconds),
+        ("COLOCATE_TRANSPORT", spec.weight_sync.transport),
+        ("COLOCATE_VERIFY", spec.weight_sync.verify),
+        ("COLOCATE_TRAIN_TP", train.tensor),
+        ("COLOCATE_TRAIN_PP", train.pipeline),
+        ("COLOCATE_TRAIN_EP", train.expert),
+        ("COLOCATE_TRAIN_CP", train.context),
+        ("COLOCATE_INFER_TP", infer.tensor),
+        ("COLOCATE_INFER_DP", infer.data),
+        ("COLOCATE_INFER_EP", infer.expert),
+        ("COLOCATE_MODEL_ARCH", spec.model.arch),
+        ("COLOCATE_CONTAINER", role),
+        ("COLOCATE_RESTART_COUNT", restart),
+        ("COLOCATE_ROLLOUT_PORT", port(job, CONTAINER_ROLLOUT)),
+        ("COLOCATE_SOCKET_DIR", SOCKET_MOUNT_PATH),
+        ("COLOCATE_GPU_ALLOCATION", spec.gpu.allocation),
+    ]
+    if spec.model.config:
+        values.append(("COLOCATE_MODEL_CONFIG", spec.model.config))
+    env: list[dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in values]
+    env.append(
+        {
+            "name": "COLOCATE_METASTORE_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": store.secret_key}},
+        }
+    )
+    return env
+
+
+def container(
+    job: ColocateJob, index: int, restart: int, role: str, store: MetaStoreEndpoint, config: OperatorConfig
+) -> dict[str, Any]:
+    user = job.spec.container(role)
+    body: dict[str, Any] = {"name": role, "image": user.image}
+    if user.image_pull_policy:
+        body["imagePullPolicy"] = user.image_pull_policy
+    if user.command is not None:
+        body["command"] = list(user.command)
+    if user.args is not None:
+        body["args"] = list(user.args)
+    # The contract first; user variables cannot collide (the CRD reserves the COLOCATE_ prefix).
+    body["env"] = [
+        *contract_env(job, index, restart, role, store, config),
+        *gpus.container_env(job, role),
+        *(dict(e) for e in user.env),
+    ]
+    body["ports"] = [{"name": PORT_NAMES[role], "containerPort": port(job, role), "protocol": "TCP"}]
+    body["resources"] = gpus.container_resources(job, role, user.resources)
+    body["volumeMounts"] = [
+        {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_MOUNT_PATH},
+    ]
+    return body
+
+
+def pod(
+    job: ColocateJob, index: int, restart: int, store: MetaStoreEndpoint, config: OperatorConfig
+) -> dict[str, Any]:
+    """Pod `index` of group incarnation `restart` (= status.restarts when it is created)."""
+    spec = job.spec
+    name = names.pod(job.ref.name, index)
+    extra_labels = {**spec.pod.labels, LABEL_REPLICA_INDEX: str(index), LABEL_RESTART: str(restart)}
+    annotations = dict(spec.pod.annotations)
+    if spec.scheduling.queue_name:
+        # Kueue plain pod group: admitted (or not) as one workload of numNodes pods.
+        extra_labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
+        extra_labels[KUEUE_POD_GROUP_LABEL] = job.ref.name
+        annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(spec.num_nodes)
+    pod_spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": names.headless_service(job.ref.name),
+        # The operator restarts the whole group; a container restarted alone would rejoin a dead world.
+        "restartPolicy": "Never",
+        "shareProcessNamespace": True,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
+        "tolerations": [gpus.gpu_toleration(), *(dict(t) for t in spec.scheduling.tolerations)],
+        "affinity": {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": names.selector(job.ref.name, COMPONENT_WORKER)},
+                        "topologyKey": "kubernetes.io/hostname",
+                    }
+                ]
+            }
+        },
+        "volumes": [
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}},
+            {"name": SOCKET_VOLUME, "emptyDir": {}},
+        ],
+        "containers": [container(job, index, restart, role, store, config) for role in ROLES],
+    }
+    claims = gpus.pod_resource_claims(job)
+    if claims:
+        pod_spec["resourceClaims"] = claims
+    if spec.scheduling.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.scheduling.node_selector)
+    if spec.scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": names.metadata(
+            job.ref, name, COMPONENT_WORKER, extra_labels=extra_labels, annotations=annotations
+        ),
+        "spec": pod_spec,
+    }
+
+
+def pods(
+    job: ColocateJob, restart: int, store: MetaStoreEndpoint, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    return [pod(job, i, restart, store, config) for i in range(job.spec.num_nodes)]

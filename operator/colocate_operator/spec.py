@@ -1,0 +1,159 @@
+"""The ColocateJob spec, read once at the edge into frozen models and passed down.
+
+The API server already validated the spec and applied the CRD's defaults; the defaults below repeat the
+CRD's (a unit test compares the two) so that builders can be tested from minimal specs without a cluster.
+Unknown fields are ignored: the CRD's structural schema prunes them anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from colocate_operator.constants import CONTAINER_ROLLOUT, CONTAINER_TRAINER
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class GpuSpec(_Model):
+    allocation: Literal["DRA", "DevicePlugin"] = "DRA"
+    device_class_name: str = "gpu.nvidia.com"
+    selectors: tuple[str, ...] = ()
+    resource_name: str = "nvidia.com/gpu"
+
+
+class ModelSpec(_Model):
+    arch: Literal["qwen3", "qwen3_moe", "deepseek_v3", "bailing_moe"]
+    config: str | None = None
+
+
+class TrainParallelism(_Model):
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    context: int = 1
+
+
+class InferenceParallelism(_Model):
+    tensor: int = 1
+    data: int = 1
+    expert: int = 1
+
+
+class ParallelismSpec(_Model):
+    train: TrainParallelism = TrainParallelism()
+    inference: InferenceParallelism = InferenceParallelism()
+
+
+class ContainerSpec(_Model):
+    image: str
+    image_pull_policy: str | None = None
+    command: tuple[str, ...] | None = None
+    args: tuple[str, ...] | None = None
+    # Env entries and resources stay in their Kubernetes (camelCase) shape: they go into the pod verbatim.
+    env: tuple[dict[str, Any], ...] = ()
+    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    port: int | None = None
+
+
+class WeightSyncSpec(_Model):
+    transport: Literal["CudaIPC", "NCCL"] = "CudaIPC"
+    bucket_mb: int = Field(512, alias="bucketMB")
+    step_timeout_seconds: int = 600
+    progress_deadline_seconds: int = 3600
+    verify: Literal["None", "SampledChecksum"] = "None"
+    history_limit: int = 10
+
+
+class SecretKeyRef(_Model):
+    name: str
+    key: str = "password"
+
+
+class ExternalMetaStore(_Model):
+    address: str
+    password_secret_ref: SecretKeyRef
+
+
+class MetaStoreSpec(_Model):
+    mode: Literal["Managed", "External"] = "Managed"
+    image: str = "redis:7.4-alpine"
+    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    external: ExternalMetaStore | None = None
+
+
+class PodSpec(_Model):
+    shm_size: str = "16Gi"
+    termination_grace_period_seconds: int = 30
+    service_account_name: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RunPolicy(_Model):
+    max_restarts: int = 3
+    backoff_seconds: int = 10
+    active_deadline_seconds: int | None = None
+    ttl_seconds_after_finished: int | None = None
+
+
+class SchedulingSpec(_Model):
+    queue_name: str | None = None
+    priority_class_name: str | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+
+class ColocateJobSpec(_Model):
+    suspend: bool = False
+    num_nodes: int
+    gpus_per_node: int
+    gpu: GpuSpec = GpuSpec()
+    model: ModelSpec
+    parallelism: ParallelismSpec = ParallelismSpec()
+    trainer: ContainerSpec
+    rollout: ContainerSpec
+    weight_sync: WeightSyncSpec = WeightSyncSpec()
+    meta_store: MetaStoreSpec = MetaStoreSpec()
+    pod: PodSpec = PodSpec()
+    run_policy: RunPolicy = RunPolicy()
+    scheduling: SchedulingSpec = SchedulingSpec()
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def container(self, role: str) -> ContainerSpec:
+        return {CONTAINER_TRAINER: self.trainer, CONTAINER_ROLLOUT: self.rollout}[role]
+
+
+DEFAULT_PORTS = {CONTAINER_TRAINER: 29500, CONTAINER_ROLLOUT: 30000}
+
+
+class JobRef(_Model):
+    """Identity of one ColocateJob: what every child's name, labels and ownerReference derive from."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int = 0
+
+
+class ColocateJob(_Model):
+    ref: JobRef
+    spec: ColocateJobSpec
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> ColocateJob:
+        meta = body["metadata"]
+        ref = JobRef(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta["uid"],
+            generation=int(meta.get("generation") or 0),
+        )
+        return cls(ref=ref, spec=ColocateJobSpec.model_validate(body.get("spec") or {}))

@@ -1,0 +1,346 @@
+"""Pure manifest builders, table-driven: pods, headless Service, claim template, meta-store."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from colocate_operator import gpus, metastore, names, pods
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import (
+    CLAIM_NAME,
+    KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    KUEUE_POD_GROUP_LABEL,
+    KUEUE_QUEUE_LABEL,
+    LABEL_REPLICA_INDEX,
+    LABEL_RESTART,
+)
+from colocate_operator.spec import ColocateJob
+from tests.operator import factories
+
+CONFIG = OperatorConfig()
+CONTRACT = {
+    "COLOCATE_JOB_NAME",
+    "COLOCATE_NAMESPACE",
+    "COLOCATE_REPLICA_INDEX",
+    "COLOCATE_NUM_NODES",
+    "COLOCATE_GPUS_PER_NODE",
+    "COLOCATE_RENDEZVOUS_ADDR",
+    "COLOCATE_METASTORE_ADDR",
+    "COLOCATE_METASTORE_PASSWORD",
+    "COLOCATE_BUCKET_MB",
+    "COLOCATE_STEP_TIMEOUT_SECONDS",
+    "COLOCATE_TRANSPORT",
+    "COLOCATE_TRAIN_TP",
+    "COLOCATE_TRAIN_PP",
+    "COLOCATE_TRAIN_EP",
+    "COLOCATE_TRAIN_CP",
+    "COLOCATE_INFER_TP",
+    "COLOCATE_INFER_DP",
+    "COLOCATE_INFER_EP",
+    "COLOCATE_MODEL_ARCH",
+}
+
+
+def build_pod(job: ColocateJob, index: int = 0, restart: int = 0) -> dict[str, Any]:
+    return pods.pod(job, index, restart, metastore.endpoint(job, CONFIG), CONFIG)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_pod_layout_same_gpus_shared_shm_and_pid_namespace() -> None:
+    pod = build_pod(factories.job(pod={"shmSize": "32Gi"}), index=1, restart=2)
+    spec = pod["spec"]
+    assert pod["metadata"]["name"] == "demo-1"
+    assert pod["metadata"]["labels"][LABEL_REPLICA_INDEX] == "1"
+    assert pod["metadata"]["labels"][LABEL_RESTART] == "2"
+    assert (spec["hostname"], spec["subdomain"]) == ("demo-1", "demo")
+    assert spec["shareProcessNamespace"] is True
+    assert spec["restartPolicy"] == "Never"
+    assert spec["resourceClaims"] == [{"name": CLAIM_NAME, "resourceClaimTemplateName": "demo-gpus"}]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert [c["name"] for c in spec["containers"]] == ["trainer", "rollout"]
+    for container in spec["containers"]:
+        assert container["resources"]["claims"] == [{"name": CLAIM_NAME}]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/dev/shm", "/run/colocate"} <= mounts
+    anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_env_contract_in_both_containers() -> None:
+    job = factories.job(
+        name="rl",
+        namespace="team",
+        numNodes=4,
+        gpusPerNode=8,
+        parallelism={
+            "train": {"tensor": 4, "pipeline": 2, "expert": 2, "context": 1},
+            "inference": {"tensor": 8, "data": 4, "expert": 8},
+        },
+        weightSync={"bucketMB": 256, "stepTimeoutSeconds": 120, "transport": "NCCL"},
+        model={"arch": "qwen3_moe"},
+    )
+    pod = build_pod(job, index=3, restart=1)
+    trainer, rollout = (env_of(c) for c in pod["spec"]["containers"])
+    assert set(trainer) >= CONTRACT and set(rollout) >= CONTRACT
+    expected = {
+        "COLOCATE_JOB_NAME": "rl",
+        "COLOCATE_NAMESPACE": "team",
+        "COLOCATE_REPLICA_INDEX": "3",
+        "COLOCATE_NUM_NODES": "4",
+        "COLOCATE_GPUS_PER_NODE": "8",
+        "COLOCATE_RENDEZVOUS_ADDR": "rl-0.rl.team.svc.cluster.local:29500",
+        "COLOCATE_METASTORE_ADDR": "rl-metastore.team.svc.cluster.local:6379",
+        "COLOCATE_BUCKET_MB": "256",
+        "COLOCATE_STEP_TIMEOUT_SECONDS": "120",
+        "COLOCATE_TRANSPORT": "NCCL",
+        "COLOCATE_TRAIN_TP": "4",
+        "COLOCATE_TRAIN_PP": "2",
+        "COLOCATE_TRAIN_EP": "2",
+        "COLOCATE_TRAIN_CP": "1",
+        "COLOCATE_INFER_TP": "8",
+        "COLOCATE_INFER_DP": "4",
+        "COLOCATE_INFER_EP": "8",
+        "COLOCATE_MODEL_ARCH": "qwen3_moe",
+        "COLOCATE_RESTART_COUNT": "1",
+    }
+    for env in (trainer, rollout):
+        assert {k: env[k] for k in expected} == expected
+        assert env["COLOCATE_METASTORE_PASSWORD"] == {
+            "secretKeyRef": {"name": "rl-metastore-auth", "key": "password"}
+        }
+    assert (trainer["COLOCATE_CONTAINER"], rollout["COLOCATE_CONTAINER"]) == ("trainer", "rollout")
+
+
+@pytest.mark.parametrize(
+    ("override", "addr", "secret"),
+    [
+        ({}, "demo-metastore.ns.svc.cluster.local:6379", {"name": "demo-metastore-auth", "key": "password"}),
+        (
+            {
+                "metaStore": {
+                    "mode": "External",
+                    "external": {
+                        "address": "redis.shared:6380",
+                        "passwordSecretRef": {"name": "shared-redis", "key": "pw"},
+                    },
+                }
+            },
+            "redis.shared:6380",
+            {"name": "shared-redis", "key": "pw"},
+        ),
+    ],
+    ids=["managed", "external"],
+)
+def test_metastore_address_and_password_reference(override: dict, addr: str, secret: dict) -> None:
+    env = env_of(build_pod(factories.job(**override))["spec"]["containers"][0])
+    assert env["COLOCATE_METASTORE_ADDR"] == addr
+    assert env["COLOCATE_METASTORE_PASSWORD"] == {"secretKeyRef": secret}
+
+
+def test_cluster_domain_and_ports_are_configurable() -> None:
+    job = factories.job(trainer={"port": 23456}, rollout={"port": 8000})
+    config = OperatorConfig(cluster_domain="corp.internal")
+    pod = pods.pod(job, 0, 0, metastore.endpoint(job, config), config)
+    env = env_of(pod["spec"]["containers"][1])
+    assert env["COLOCATE_RENDEZVOUS_ADDR"] == "demo-0.demo.ns.svc.corp.internal:23456"
+    assert env["COLOCATE_ROLLOUT_PORT"] == "8000"
+    service = pods.headless_service(job)
+    assert sorted(p["port"] for p in service["spec"]["ports"]) == [8000, 23456]
+
+
+def test_user_env_and_resources_come_after_the_contract() -> None:
+    job = factories.job(
+        trainer={
+            "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+            "resources": {"requests": {"cpu": "8", "memory": "64Gi"}},
+        }
+    )
+    trainer = build_pod(job)["spec"]["containers"][0]
+    assert trainer["env"][-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
+    assert trainer["resources"]["requests"] == {"cpu": "8", "memory": "64Gi"}
+    assert trainer["command"] == ["python", "-m", "train"]
+
+
+@pytest.mark.parametrize(
+    ("allocation", "trainer_gpus", "rollout_gpus", "claims", "rollout_visible"),
+    [
+        ("DRA", None, None, True, None),
+        ("DevicePlugin", 8, None, False, "all"),
+    ],
+)
+def test_gpu_allocation_modes(
+    allocation: str,
+    trainer_gpus: int | None,
+    rollout_gpus: int | None,
+    claims: bool,
+    rollout_visible: str | None,
+) -> None:
+    job = factories.job(gpu={"allocation": allocation})
+    pod = build_pod(job)
+    trainer, rollout = pod["spec"]["containers"]
+    assert trainer["resources"].get("limits", {}).get("nvidia.com/gpu") == trainer_gpus
+    assert rollout["resources"].get("limits", {}).get("nvidia.com/gpu") == rollout_gpus
+    assert ("resourceClaims" in pod["spec"]) is claims
+    assert env_of(rollout).get("NVIDIA_VISIBLE_DEVICES") == rollout_visible
+    assert (gpus.claim_template(job) is not None) is claims
+    # The GPU taint is tolerated in both modes.
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["spec"]["tolerations"])
+
+
+def test_claim_template_requests_gpus_per_node_of_the_device_class() -> None:
+    job = factories.job(
+        gpusPerNode=4,
+        gpu={
+            "deviceClassName": "gpu.example.com",
+            "selectors": ['device.attributes["gpu.nvidia.com"].productName == "H200"'],
+        },
+    )
+    template = gpus.claim_template(job)
+    assert template is not None
+    assert template["metadata"]["name"] == "demo-gpus"
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["name"] == CLAIM_NAME
+    assert request["exactly"]["deviceClassName"] == "gpu.example.com"
+    assert request["exactly"]["count"] == 4
+    assert request["exactly"]["allocationMode"] == "ExactCount"
+    assert request["exactly"]["selectors"][0]["cel"]["expression"].startswith("device.attributes")
+
+
+@pytest.mark.parametrize(
+    ("queue", "labels", "annotations"),
+    [
+        (None, {}, {}),
+        (
+            "team-a",
+            {KUEUE_QUEUE_LABEL: "team-a", KUEUE_POD_GROUP_LABEL: "demo"},
+            {KUEUE_POD_GROUP_COUNT_ANNOTATION: "2"},
+        ),
+    ],
+)
+def test_kueue_plain_pod_group(queue: str | None, labels: dict, annotations: dict) -> None:
+    pod = build_pod(factories.job(scheduling={"queueName": queue} if queue else {}))
+    meta = pod["metadata"]
+    kueue_labels = {k: v for k, v in meta["labels"].items() if k.startswith("kueue.")}
+    kueue_annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith("kueue.")}
+    assert (kueue_labels, kueue_annotations) == (labels, annotations)
+
+
+def test_scheduling_and_pod_options() -> None:
+    job = factories.job(
+        scheduling={
+            "nodeSelector": {"pool": "h200"},
+            "priorityClassName": "high",
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+        },
+        pod={
+            "serviceAccountName": "rl",
+            "labels": {"team": "a"},
+            "annotations": {"note": "x"},
+            "terminationGracePeriodSeconds": 5,
+        },
+    )
+    pod = build_pod(job)
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"pool": "h200"}
+    assert spec["priorityClassName"] == "high"
+    assert spec["serviceAccountName"] == "rl"
+    assert spec["terminationGracePeriodSeconds"] == 5
+    assert {"key": "dedicated", "operator": "Exists"} in spec["tolerations"]
+    assert pod["metadata"]["labels"]["team"] == "a"
+    assert pod["metadata"]["annotations"] == {"note": "x"}
+
+
+def test_headless_service_publishes_not_ready_addresses() -> None:
+    service = pods.headless_service(factories.job())
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["metadata"]["name"] == "demo"
+
+
+def test_metastore_password_only_in_the_secret() -> None:
+    job = factories.job()
+    password = "s3cr3t-Pa55word-for-the-test"
+    secret, deployment, service, policy = metastore.managed_children(job, CONFIG, password)
+    assert secret["stringData"]["password"] == password
+    assert f"requirepass {password}" in secret["stringData"]["redis.conf"]
+    for other in (
+        deployment,
+        service,
+        policy,
+        build_pod(job),
+        pods.headless_service(job),
+        gpus.claim_template(job),
+    ):
+        assert password not in json.dumps(other)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["redis-server", "/etc/colocate-redis/redis.conf"]
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+@pytest.mark.parametrize(
+    ("operator_namespace", "peers"),
+    [(None, 1), ("colocate-system", 2)],
+)
+def test_network_policy_admits_only_the_jobs_pods_and_the_operator(
+    operator_namespace: str | None, peers: int
+) -> None:
+    policy = metastore.network_policy(factories.job(), OperatorConfig(operator_namespace=operator_namespace))
+    (rule,) = policy["spec"]["ingress"]
+    assert len(rule["from"]) == peers
+    assert rule["from"][0] == {
+        "podSelector": {"matchLabels": {"colocate.dev/job": "demo", "colocate.dev/component": "worker"}}
+    }
+    assert policy["spec"]["podSelector"]["matchLabels"]["colocate.dev/component"] == "metastore"
+    if operator_namespace:
+        assert rule["from"][1]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": operator_namespace
+        }
+
+
+def test_external_metastore_has_no_managed_children() -> None:
+    job = factories.job(
+        metaStore={"mode": "External", "external": {"address": "r:6379", "passwordSecretRef": {"name": "s"}}}
+    )
+    assert metastore.managed_children(job, CONFIG, "pw") == []
+
+
+def test_every_child_is_owned_by_the_job() -> None:
+    job = factories.job()
+    children = [
+        *metastore.managed_children(job, CONFIG, "pw"),
+        gpus.claim_template(job),
+        pods.headless_service(job),
+        *pods.pods(job, 0, metastore.endpoint(job, CONFIG), CONFIG),
+    ]
+    for child in children:
+        assert child is not None
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "colocate.dev/v1alpha1",
+            "kind": "ColocateJob",
+            "name": "demo",
+            "uid": "uid-demo",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert child["metadata"]["namespace"] == "ns"
+        assert child["metadata"]["labels"]["colocate.dev/job"] == "demo"
+
+
+def test_longest_job_name_fits_every_child_name() -> None:
+    job = "j" * 40
+    for child in (
+        names.metastore_secret(job),
+        names.metastore(job),
+        names.claim_template(job),
+        names.pod(job, 255),
+    ):
+        assert len(child) <= 63

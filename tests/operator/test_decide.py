@@ -1,0 +1,531 @@
+"""The pure reconcile decision, scenario by scenario, plus idempotence and condition bookkeeping."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from colocate_operator import conditions
+from colocate_operator.conditions import Condition
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import Cond, Phase, Reason
+from colocate_operator.decide import Plan, decide, restart_delay, status_patch
+from colocate_operator.observed import ClaimState, Observed, PodState
+from colocate_operator.spec import ColocateJob
+from tests.operator import factories
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+CONFIG = OperatorConfig()
+INFRA = frozenset(
+    {
+        "Secret/demo-metastore-auth",
+        "Deployment/demo-metastore",
+        "Service/demo-metastore",
+        "NetworkPolicy/demo-metastore",
+        "ResourceClaimTemplate/demo-gpus",
+        "Service/demo",
+    }
+)
+
+
+def ts(delta_seconds: float = 0) -> str:
+    return conditions.timestamp(NOW + timedelta(seconds=delta_seconds))
+
+
+def pod(
+    index: int,
+    restart: int = 0,
+    phase: str = "Running",
+    *,
+    ready: bool | None = None,
+    owned: bool = True,
+    deleting: bool = False,
+    reason: str | None = None,
+) -> PodState:
+    running = phase == "Running"
+    return PodState(
+        name=f"demo-{index}",
+        uid=f"u{index}-{restart}",
+        index=index,
+        restart=restart,
+        owned=owned,
+        phase=phase,
+        deleting=deleting,
+        scheduled=phase != "Pending",
+        ready=running if ready is None else ready,
+        reason=reason,
+        claim=f"demo-{index}-gpus-x" if phase != "Pending" else None,
+    )
+
+
+def claims(*indices: int) -> dict[str, ClaimState]:
+    return {f"demo-{i}-gpus-x": ClaimState(f"demo-{i}-gpus-x", True, ("gpu-node-0/gpu-0",)) for i in indices}
+
+
+def running_observed(n: int = 2, restart: int = 0) -> Observed:
+    return Observed(
+        pods=tuple(pod(i, restart) for i in range(n)),
+        children=INFRA,
+        metastore_ready=True,
+        claims=claims(*range(n)),
+    )
+
+
+def running_status(restarts: int = 0, **extra: Any) -> dict[str, Any]:
+    status = {"phase": Phase.RUNNING, "restarts": restarts, "groupCreated": True, "startTime": ts(-600)}
+    return status | extra
+
+
+def run(
+    status: dict[str, Any], observed: Observed, job: ColocateJob | None = None, *, now: datetime = NOW
+) -> Plan:
+    return decide(job or factories.job(), status, observed, now, CONFIG, "generated-password")
+
+
+def cond(plan: Plan, type_: str) -> dict[str, Any]:
+    found = conditions.find(plan.status["conditions"], type_)
+    assert found is not None, f"no {type_} condition in {plan.status['conditions']}"
+    return found
+
+
+def reasons(plan: Plan) -> list[str]:
+    return [e.reason for e in plan.events]
+
+
+def created(plan: Plan, kind: str) -> list[str]:
+    return [m["metadata"]["name"] for m in plan.creates if m["kind"] == kind]
+
+
+def test_fresh_job_creates_every_child_and_all_pods() -> None:
+    plan = run({}, Observed(device_class_found=True))
+    assert [m["kind"] for m in plan.creates] == [
+        "Secret",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+        "ResourceClaimTemplate",
+        "Service",
+        "Pod",
+        "Pod",
+    ]
+    assert created(plan, "Pod") == ["demo-0", "demo-1"]
+    assert plan.status["phase"] == Phase.PENDING
+    assert plan.status["groupCreated"] is False  # set only once the pods are seen
+    assert plan.status["startTime"] == ts()
+    assert reasons(plan) == [Reason.CREATED_META_STORE, Reason.CREATED_PODS]
+    assert cond(plan, Cond.META_STORE_READY)["reason"] == Reason.REDIS_STARTING
+    assert cond(plan, Cond.PODS_READY)["reason"] == Reason.PODS_NOT_CREATED
+    assert plan.requeue_after is not None and not plan.persist_first
+
+
+def test_all_pods_ready_marks_group_created_and_running() -> None:
+    plan = run({"phase": Phase.PENDING, "groupCreated": False, "startTime": ts(-5)}, running_observed())
+    assert plan.creates == () and plan.deletes == ()
+    assert plan.status["groupCreated"] is True
+    assert plan.status["phase"] == Phase.RUNNING
+    assert plan.status["ready"] == "2/2"
+    assert plan.status["replicas"] == {
+        "desired": 2,
+        "created": 2,
+        "scheduled": 2,
+        "running": 2,
+        "ready": 2,
+        "failed": 0,
+    }
+    assert cond(plan, Cond.RESOURCES_ALLOCATED)["reason"] == Reason.CLAIMS_ALLOCATED
+    assert cond(plan, Cond.PODS_READY)["status"] == "True"
+    assert reasons(plan) == [Reason.JOB_RUNNING]
+    assert [c["pod"] for c in plan.status["resourceClaims"]] == ["demo-0", "demo-1"]
+
+
+def test_running_without_redis_is_not_running() -> None:
+    observed = running_observed()
+    observed = Observed(pods=observed.pods, children=INFRA, metastore_ready=False, claims=observed.claims)
+    plan = run(running_status(), observed)
+    assert plan.status["phase"] == Phase.PENDING
+    assert cond(plan, Cond.META_STORE_READY)["status"] == "False"
+
+
+@pytest.mark.parametrize(
+    ("bad_pod", "reason"),
+    [
+        (pod(1, phase="Failed", reason="Error"), Reason.POD_FAILED),
+        (pod(1, phase="Failed", reason="Evicted"), Reason.POD_EVICTED),
+        (pod(1, deleting=True), Reason.POD_DELETED),
+        (None, Reason.POD_DELETED),  # gone entirely
+        (pod(1, phase="Succeeded"), Reason.POD_EXITED_WITHOUT_FINAL_STEP),
+    ],
+    ids=["failed", "evicted", "deleting", "missing", "exited-early"],
+)
+def test_any_pod_failure_restarts_the_whole_group(bad_pod: PodState | None, reason: str) -> None:
+    pods = (pod(0),) + ((bad_pod,) if bad_pod else ())
+    observed = Observed(pods=pods, children=INFRA, metastore_ready=True, claims=claims(0, 1))
+    plan = run(running_status(), observed)
+    assert plan.persist_first
+    assert plan.status["restarts"] == 1
+    assert plan.status["groupCreated"] is False
+    assert plan.status["phase"] == Phase.RESTARTING
+    assert plan.status["lastRestartTime"] == ts()
+    assert (cond(plan, Cond.RESTARTING)["status"], cond(plan, Cond.RESTARTING)["reason"]) == ("True", reason)
+    expected_deletes = {p.name for p in pods if not p.deleting}
+    assert {d.name for d in plan.deletes} == expected_deletes
+    assert plan.creates == ()
+    assert reasons(plan) == [Reason.RESTARTING_GROUP]
+
+
+def test_exhausted_restarts_fail_the_job_and_keep_finished_pods() -> None:
+    job = factories.job(runPolicy={"maxRestarts": 2})
+    observed = Observed(pods=(pod(0), pod(1, phase="Failed")), children=INFRA, metastore_ready=True)
+    plan = run(running_status(restarts=2), observed, job)
+    assert plan.status["phase"] == Phase.FAILED
+    assert plan.status["restarts"] == 2
+    assert plan.status["completionTime"] == ts()
+    failed = cond(plan, Cond.FAILED)
+    assert (failed["status"], failed["reason"]) == ("True", Reason.MAX_RESTARTS_EXCEEDED)
+    assert "2 restarts" in failed["message"]
+    assert [d.name for d in plan.deletes] == ["demo-0"]  # the failed pod stays for its logs
+    assert plan.persist_first
+    assert reasons(plan) == [Reason.JOB_FAILED]
+
+
+def test_max_restarts_zero_fails_on_first_failure() -> None:
+    job = factories.job(runPolicy={"maxRestarts": 0})
+    observed = Observed(pods=(pod(0), pod(1, phase="Failed")), children=INFRA, metastore_ready=True)
+    assert run(running_status(), observed, job).status["phase"] == Phase.FAILED
+
+
+def test_missing_pod_before_group_created_is_just_created() -> None:
+    observed = Observed(pods=(pod(0),), children=INFRA, metastore_ready=True, device_class_found=True)
+    plan = run({"phase": Phase.PENDING, "groupCreated": False}, observed)
+    assert created(plan, "Pod") == ["demo-1"]
+    assert plan.status["restarts"] == 0
+    assert plan.deletes == ()
+
+
+def test_failed_pod_before_group_created_still_restarts() -> None:
+    observed = Observed(pods=(pod(0, phase="Failed"),), children=INFRA, metastore_ready=True)
+    plan = run({"phase": Phase.PENDING, "groupCreated": False}, observed)
+    assert plan.status["restarts"] == 1
+
+
+def test_restart_waits_for_old_pods_to_go() -> None:
+    status = running_status(restarts=1, groupCreated=False, phase=Phase.RESTARTING, lastRestartTime=ts(-100))
+    observed = Observed(
+        pods=(pod(0, restart=0), pod(1, restart=0, deleting=True)),
+        children=INFRA,
+        metastore_ready=True,
+        device_class_found=True,
+    )
+    plan = run(status, observed)
+    assert [d.name for d in plan.deletes] == ["demo-0"]
+    assert created(plan, "Pod") == []
+    assert cond(plan, Cond.PODS_READY)["reason"] == Reason.WAITING_FOR_OLD_PODS
+    assert plan.status["phase"] == Phase.PENDING  # Restarting is a condition set by the transition
+    assert plan.requeue_after is not None
+
+
+@pytest.mark.parametrize(
+    ("restarts", "backoff", "since", "creates", "requeue"),
+    [
+        (1, 10, 3, False, 7.0),
+        (1, 10, 10, True, None),
+        (2, 10, 15, False, 5.0),  # 20 s for the second restart
+        (3, 10, 45, True, None),  # 40 s
+        (9, 100, 299, False, 1.0),  # capped at 300 s
+        (1, 0, 0, True, None),
+    ],
+)
+def test_restart_backoff(
+    restarts: int, backoff: int, since: int, creates: bool, requeue: float | None
+) -> None:
+    job = factories.job(runPolicy={"backoffSeconds": backoff, "maxRestarts": 10})
+    status = {
+        "phase": Phase.RESTARTING,
+        "restarts": restarts,
+        "groupCreated": False,
+        "lastRestartTime": ts(-since),
+    }
+    plan = run(status, Observed(children=INFRA, metastore_ready=True, device_class_found=True), job)
+    assert bool(created(plan, "Pod")) is creates
+    if creates:
+        pods_made = [m for m in plan.creates if m["kind"] == "Pod"]
+        assert {m["metadata"]["labels"]["colocate.dev/restart"] for m in pods_made} == {str(restarts)}
+    else:
+        assert cond(plan, Cond.PODS_READY)["reason"] == Reason.WAITING_FOR_BACKOFF
+        assert plan.requeue_after == pytest.approx(requeue)
+
+
+@pytest.mark.parametrize(
+    ("restarts", "base", "cap", "delay"),
+    [
+        (0, 10, 300, 0),
+        (1, 10, 300, 10),
+        (2, 10, 300, 20),
+        (5, 10, 300, 160),
+        (6, 10, 300, 300),
+        (1000, 10, 300, 300),
+        (3, 0, 300, 0),
+    ],
+)
+def test_restart_delay(restarts: int, base: float, cap: float, delay: float) -> None:
+    assert restart_delay(restarts, base, cap) == delay
+
+
+def test_restarted_group_running_clears_restarting() -> None:
+    status = running_status(
+        restarts=1,
+        groupCreated=False,
+        phase=Phase.RESTARTING,
+        conditions=[
+            {
+                "type": Cond.RESTARTING,
+                "status": "True",
+                "reason": Reason.POD_FAILED,
+                "lastTransitionTime": ts(-60),
+            }
+        ],
+    )
+    plan = run(status, running_observed(restart=1))
+    assert plan.status["phase"] == Phase.RUNNING
+    assert (cond(plan, Cond.RESTARTING)["status"], cond(plan, Cond.RESTARTING)["reason"]) == (
+        "False",
+        Reason.GROUP_RUNNING,
+    )
+
+
+def test_pending_after_restart_shows_restarting_phase() -> None:
+    status = {
+        "phase": Phase.RESTARTING,
+        "restarts": 1,
+        "groupCreated": True,
+        "conditions": [
+            {
+                "type": Cond.RESTARTING,
+                "status": "True",
+                "reason": Reason.POD_FAILED,
+                "lastTransitionTime": ts(-60),
+            }
+        ],
+    }
+    observed = Observed(
+        pods=(pod(0, 1, "Pending"), pod(1, 1, "Pending")), children=INFRA, metastore_ready=True
+    )
+    assert run(status, observed).status["phase"] == Phase.RESTARTING
+
+
+def test_stale_pods_of_another_owner_are_deleted() -> None:
+    observed = Observed(
+        pods=(pod(0, owned=False),), children=INFRA, metastore_ready=True, device_class_found=True
+    )
+    plan = run({}, observed)
+    assert [d.name for d in plan.deletes] == ["demo-0"]
+    assert created(plan, "Pod") == []  # waits until the old pod is gone
+
+
+def test_suspend_deletes_pods_and_keeps_the_metastore() -> None:
+    job = factories.job(suspend=True)
+    plan = run(running_status(), running_observed(), job)
+    assert {d.name for d in plan.deletes} == {"demo-0", "demo-1"}
+    assert plan.creates == ()
+    assert plan.persist_first
+    assert plan.status["phase"] == Phase.SUSPENDED
+    assert plan.status["groupCreated"] is False
+    assert plan.status["restarts"] == 0
+    assert (cond(plan, Cond.SUSPENDED)["status"], cond(plan, Cond.SUSPENDED)["reason"]) == (
+        "True",
+        Reason.SUSPENDED_BY_USER,
+    )
+    assert reasons(plan) == [Reason.SUSPENDED_BY_USER]
+
+
+def test_suspended_job_settles() -> None:
+    job = factories.job(suspend=True)
+    first = run(running_status(), running_observed(), job)
+    plan = run(first.status, Observed(children=INFRA, metastore_ready=True), job)
+    assert plan.deletes == () and plan.events == () and not plan.persist_first
+    assert plan.requeue_after is None
+    third = run(plan.status, Observed(children=INFRA, metastore_ready=True), job)
+    assert status_patch(plan.status, third.status) == {}
+
+
+def test_suspend_before_anything_exists_still_creates_the_metastore() -> None:
+    plan = run({}, Observed(), factories.job(suspend=True))
+    assert "Pod" not in [m["kind"] for m in plan.creates]
+    assert "Deployment" in [m["kind"] for m in plan.creates]
+
+
+def test_resume_recreates_the_group_without_counting_a_restart() -> None:
+    status = {"phase": Phase.SUSPENDED, "restarts": 1, "groupCreated": False, "lastRestartTime": ts(-3600)}
+    plan = run(status, Observed(children=INFRA, metastore_ready=True, device_class_found=True))
+    assert created(plan, "Pod") == ["demo-0", "demo-1"]
+    assert plan.status["restarts"] == 1
+    assert cond(plan, Cond.SUSPENDED)["status"] == "False"
+    assert Reason.RESUMED in reasons(plan)
+
+
+def test_missing_device_class_blocks_pod_creation() -> None:
+    plan = run({}, Observed(children=INFRA, metastore_ready=True, device_class_found=False))
+    assert created(plan, "Pod") == []
+    allocated = cond(plan, Cond.RESOURCES_ALLOCATED)
+    assert (allocated["status"], allocated["reason"]) == ("False", Reason.DEVICE_CLASS_NOT_FOUND)
+    assert Reason.DEVICE_CLASS_NOT_FOUND in reasons(plan)
+    again = run(plan.status, Observed(children=INFRA, metastore_ready=True, device_class_found=False))
+    assert Reason.DEVICE_CLASS_NOT_FOUND not in reasons(again)  # the Warning is posted once
+
+
+def test_device_plugin_mode_needs_no_claims() -> None:
+    job = factories.job(gpu={"allocation": "DevicePlugin"})
+    observed = Observed(
+        pods=(pod(0), pod(1)), children=INFRA - {"ResourceClaimTemplate/demo-gpus"}, metastore_ready=True
+    )
+    plan = run(running_status(), observed, job)
+    assert cond(plan, Cond.RESOURCES_ALLOCATED)["reason"] == Reason.DEVICE_PLUGIN_FALLBACK
+    assert plan.creates == ()
+    assert plan.status["phase"] == Phase.RUNNING
+
+
+def test_partially_allocated_claims() -> None:
+    observed = Observed(
+        pods=(pod(0), pod(1, phase="Pending")), children=INFRA, metastore_ready=True, claims=claims(0)
+    )
+    plan = run(running_status(), observed)
+    allocated = cond(plan, Cond.RESOURCES_ALLOCATED)
+    assert (allocated["status"], allocated["reason"], allocated["message"]) == (
+        "False",
+        Reason.CLAIM_PENDING,
+        "1/2 claims allocated",
+    )
+
+
+def test_success_needs_the_final_step_record() -> None:
+    done = Observed(
+        pods=(pod(0, phase="Succeeded"), pod(1, phase="Succeeded")), children=INFRA, metastore_ready=True
+    )
+    plan = run(running_status(weightSync={"finalStepRecorded": True}), done)
+    assert plan.status["phase"] == Phase.SUCCEEDED
+    assert cond(plan, Cond.SUCCEEDED)["reason"] == Reason.FINAL_STEP_RECORDED
+    assert plan.deletes == ()
+    without = run(running_status(), done)
+    assert without.status["phase"] == Phase.RESTARTING
+
+
+def test_deadline_fails_the_job() -> None:
+    job = factories.job(runPolicy={"activeDeadlineSeconds": 60})
+    plan = run(running_status(startTime=ts(-61)), running_observed(), job)
+    assert plan.status["phase"] == Phase.FAILED
+    assert cond(plan, Cond.FAILED)["reason"] == Reason.DEADLINE_EXCEEDED
+    assert {d.name for d in plan.deletes} == {"demo-0", "demo-1"}
+
+
+@pytest.mark.parametrize(("finished_ago", "delete"), [(30, False), (120, True)])
+def test_ttl_after_finished(finished_ago: int, delete: bool) -> None:
+    job = factories.job(runPolicy={"ttlSecondsAfterFinished": 60})
+    status = {"phase": Phase.FAILED, "completionTime": ts(-finished_ago), "restarts": 3}
+    plan = run(status, Observed(children=INFRA), job)
+    assert plan.delete_job is delete
+    if not delete:
+        assert plan.requeue_after == pytest.approx(60 - finished_ago)
+
+
+def test_terminal_job_creates_nothing() -> None:
+    plan = run({"phase": Phase.FAILED, "restarts": 1}, Observed())
+    assert plan.creates == () and plan.events == ()
+
+
+def test_external_metastore_secret_missing() -> None:
+    job = factories.job(
+        metaStore={
+            "mode": "External",
+            "external": {"address": "redis:6379", "passwordSecretRef": {"name": "redis-auth"}},
+        }
+    )
+    children = frozenset({"ResourceClaimTemplate/demo-gpus", "Service/demo"})
+    observed = Observed(
+        pods=running_observed().pods, children=children, external_secret_found=False, claims=claims(0, 1)
+    )
+    plan = run(running_status(), observed, job)
+    assert plan.creates == ()
+    meta = cond(plan, Cond.META_STORE_READY)
+    assert (meta["status"], meta["reason"]) == ("False", Reason.SECRET_NOT_FOUND)
+    assert plan.status["phase"] == Phase.PENDING
+    found = Observed(
+        pods=observed.pods, children=children, external_secret_found=True, claims=observed.claims
+    )
+    assert run(running_status(), found, job).status["phase"] == Phase.RUNNING
+
+
+@pytest.mark.parametrize(
+    ("status", "observed", "job_override"),
+    [
+        ({}, Observed(device_class_found=True), {}),
+        ({"phase": Phase.PENDING}, running_observed(), {}),
+        (running_status(), running_observed(), {}),
+        (running_status(), running_observed(), {"suspend": True}),
+        (
+            running_status(),
+            Observed(pods=(pod(0), pod(1, phase="Failed")), children=INFRA, metastore_ready=True),
+            {},
+        ),
+    ],
+    ids=["fresh", "ready", "running", "suspending", "failing"],
+)
+def test_decisions_converge(status: dict[str, Any], observed: Observed, job_override: dict[str, Any]) -> None:
+    """Applying a plan's status and deciding again from the same world changes nothing further in status,
+    posts no second event for the same transition."""
+    job = factories.job(**job_override)
+    first = run(status, observed, job)
+    applied = status | first.status
+    second = run(applied, observed, job, now=NOW + timedelta(seconds=1))
+    if first.status["restarts"] == status.get("restarts", 0):
+        assert status_patch(applied, second.status) == {}
+        assert not (
+            set(reasons(first)) & set(reasons(second)) - {Reason.CREATED_PODS, Reason.CREATED_META_STORE}
+        )
+
+
+def test_condition_transition_time_moves_only_on_status_change() -> None:
+    start = conditions.merge([], [Condition(Cond.PODS_READY, False, Reason.PODS_PENDING, "0/2")], NOW, 1)
+    later = NOW + timedelta(minutes=5)
+    same = conditions.merge(start, [Condition(Cond.PODS_READY, False, Reason.PODS_PENDING, "1/2")], later, 2)
+    assert same[0]["lastTransitionTime"] == ts()
+    assert same[0]["message"] == "1/2" and same[0]["observedGeneration"] == 2
+    flipped = conditions.merge(
+        same, [Condition(Cond.PODS_READY, True, Reason.ALL_PODS_READY, "2/2")], later, 2
+    )
+    assert flipped[0]["lastTransitionTime"] == conditions.timestamp(later)
+
+
+def test_conditions_of_other_writers_pass_through_and_order_is_fixed() -> None:
+    theirs = {
+        "type": Cond.WEIGHT_SYNC_HEALTHY,
+        "status": "True",
+        "reason": "SyncSucceeded",
+        "lastTransitionTime": ts(-10),
+    }
+    merged = conditions.merge(
+        [theirs],
+        [
+            Condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED),
+            Condition(Cond.META_STORE_READY, True, Reason.REDIS_READY),
+        ],
+        NOW,
+        1,
+    )
+    assert [c["type"] for c in merged] == [Cond.META_STORE_READY, Cond.SUSPENDED, Cond.WEIGHT_SYNC_HEALTHY]
+    assert merged[-1] == theirs
+    with pytest.raises(ValueError, match="fixed set"):
+        conditions.merge([], [Condition("Step412Done", True, "X")], NOW, 1)
+
+
+def test_every_reason_is_camel_case() -> None:
+    for name, value in vars(Reason).items():
+        if name.isupper():
+            assert value[0].isupper() and value.isalnum(), value
+
+
+def test_status_patch_touches_only_owned_keys() -> None:
+    current = {"phase": Phase.PENDING, "weightSync": {"lastCompletedStep": 4}, "recentSteps": [{"step": 4}]}
+    patch = status_patch(current, {"phase": Phase.RUNNING, "restarts": 0})
+    assert patch == {"phase": Phase.RUNNING, "restarts": 0}
