@@ -14,7 +14,7 @@ from typing import Any
 from colocate_runtime.convert.architecture import Architecture, Block
 from colocate_runtime.convert.attention import AttentionNames, grouped_attention
 from colocate_runtime.convert.embedding import input_embedding, output_head
-from colocate_runtime.convert.hf_config import dtype_name, head_dim, model_dtype, require
+from colocate_runtime.convert.hf_config import head_dim, model_dtype, optional_dtype, require
 from colocate_runtime.convert.lightning import lightning_attention
 from colocate_runtime.convert.mlp import GatedMLP
 from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router
@@ -42,12 +42,12 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     )
     dtype = model_dtype(config)
     moe = MoESpec(
-        num_experts=int(require(config, "num_experts")),
+        num_experts=int(require(config, "num_experts", "num_local_experts")),
         intermediate_size=moe_size,
         layers=frozenset(range(int(config.get("first_k_dense_replace", 0)), layers)),
         shared_intermediate_size=shared,
         expert_bias=bool(config.get("moe_router_enable_expert_bias", False)),
-        router_dtype=dtype_name(config.get("router_dtype"), default=dtype),
+        router_dtype=optional_dtype(config.get("router_dtype")),
     )
     return ModelSpec(
         architecture="bailing_moe",
@@ -84,7 +84,7 @@ def layer(spec: ModelSpec, layer: int) -> list[Block]:
     blocks: list[Block] = [*layer_norms(spec, layer), *attention]
     if not spec.is_moe(layer):
         return [*blocks, GatedMLP(mlp, "mlp", spec.hidden_size, spec.intermediate_size, spec.dtype)]
-    blocks += [router(moe, spec.hidden_size, mlp), RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp)]
+    blocks += [router(spec, mlp), RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp)]
     if moe.expert_bias:
         blocks.append(expert_bias(moe, f"{mlp}.gate.expert_bias"))
     if moe.shared_intermediate_size:

@@ -8,7 +8,7 @@ from typing import Any
 
 from colocate_runtime.convert.architecture import Architecture, Block
 from colocate_runtime.convert.embedding import input_embedding, output_head
-from colocate_runtime.convert.hf_config import dtype_name, model_dtype, require
+from colocate_runtime.convert.hf_config import model_dtype, optional_dtype, require
 from colocate_runtime.convert.mla import MultiLatentAttention
 from colocate_runtime.convert.mlp import GatedMLP
 from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router
@@ -31,12 +31,12 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
         q_lora_rank=config.get("q_lora_rank"),
     )
     moe = MoESpec(
-        num_experts=int(require(config, "n_routed_experts")),
+        num_experts=int(require(config, "n_routed_experts", "num_local_experts")),
         intermediate_size=moe_size,
         layers=frozenset(i for i in range(layers) if i >= first_dense and i % every == 0),
         shared_intermediate_size=moe_size * int(config.get("n_shared_experts") or 0),
         expert_bias=True,
-        router_dtype=dtype_name(config.get("router_dtype"), default=dtype),
+        router_dtype=optional_dtype(config.get("router_dtype")),
     )
     return ModelSpec(
         architecture="deepseek_v3",
@@ -67,7 +67,7 @@ def layer(spec: ModelSpec, layer: int) -> list[Block]:
     if not spec.is_moe(layer):
         return [*blocks, GatedMLP(mlp, "mlp", spec.hidden_size, spec.intermediate_size, spec.dtype)]
     blocks += [
-        router(moe, spec.hidden_size, mlp),
+        router(spec, mlp),
         expert_bias(moe, f"{mlp}.gate.e_score_correction_bias"),
         RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp),
     ]

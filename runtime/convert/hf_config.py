@@ -17,12 +17,13 @@ _DTYPE_ALIASES = {
 }
 
 
-def require(config: Mapping[str, Any], key: str) -> Any:
-    try:
-        return config[key]
-    except KeyError:
-        model_type = config.get("model_type", "?")
-        raise ConvertError(f"Hugging Face config (model_type {model_type!r}) has no {key!r}") from None
+def require(config: Mapping[str, Any], *keys: str) -> Any:
+    """The first of `keys` present (config files and transformers releases spell some fields differently)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    model_type = config.get("model_type", "?")
+    raise ConvertError(f"Hugging Face config (model_type {model_type!r}) has none of {list(keys)}")
 
 
 def dtype_name(value: object, default: str = "bfloat16") -> str:
@@ -30,6 +31,10 @@ def dtype_name(value: object, default: str = "bfloat16") -> str:
         return default
     name = str(value).removeprefix("torch.")
     return _DTYPE_ALIASES.get(name, name)
+
+
+def optional_dtype(value: object) -> str | None:
+    return None if value is None else dtype_name(value)
 
 
 def model_dtype(config: Mapping[str, Any]) -> str:

@@ -16,13 +16,14 @@ from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.layout import Group, RankGroups
 from colocate_runtime.convert.mlp import first_half, second_half
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, Piece, Placement, SGLangParam
-from colocate_runtime.convert.spec import MoESpec
+from colocate_runtime.convert.spec import ModelSpec, MoESpec
 from colocate_runtime.shards import TensorShard
 
 
-def router(moe: MoESpec, hidden: int, prefix: str) -> Direct:
+def router(spec: ModelSpec, prefix: str) -> Direct:
     """The routing weight travels in the configured router dtype (SGLang may keep it in fp32)."""
-    tensor = CanonicalTensor(f"{prefix}.gate.weight", (moe.num_experts, hidden), moe.router_dtype)
+    shape = (spec.require_moe().num_experts, spec.hidden_size)
+    tensor = CanonicalTensor(f"{prefix}.gate.weight", shape, spec.router_dtype)
     return Direct(tensor, ("mlp.router.weight",), tensor.name)
 
 

@@ -10,7 +10,7 @@ from colocate_runtime.convert import qwen3
 from colocate_runtime.convert.architecture import Architecture, Block
 from colocate_runtime.convert.attention import AttentionNames, grouped_attention
 from colocate_runtime.convert.embedding import input_embedding, output_head
-from colocate_runtime.convert.hf_config import dtype_name, require
+from colocate_runtime.convert.hf_config import optional_dtype, require
 from colocate_runtime.convert.moe import RoutedExperts, router
 from colocate_runtime.convert.norms import layer_norms
 from colocate_runtime.convert.spec import ModelSpec, MoESpec
@@ -22,10 +22,10 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     step = int(config.get("decoder_sparse_step", 1))
     dense_only = set(config.get("mlp_only_layers") or ())
     moe = MoESpec(
-        num_experts=int(require(config, "num_experts")),
+        num_experts=int(require(config, "num_experts", "num_local_experts")),
         intermediate_size=int(require(config, "moe_intermediate_size")),
         layers=frozenset(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0),
-        router_dtype=dtype_name(config.get("router_dtype"), default=dense.dtype),
+        router_dtype=optional_dtype(config.get("router_dtype")),
     )
     return replace(dense, architecture="qwen3_moe", moe=moe)
 
@@ -37,7 +37,7 @@ def layer(spec: ModelSpec, layer: int) -> list[Block]:
     moe, mlp = spec.require_moe(), f"model.layers.{layer}.mlp"
     return [
         *blocks,
-        router(moe, spec.hidden_size, mlp),
+        router(spec, mlp),
         RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp),
     ]
 

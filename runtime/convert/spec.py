@@ -19,10 +19,11 @@ class MoESpec:
     layers: frozenset[int]  # global ids of the layers whose MLP is a MoE
     shared_intermediate_size: int = 0  # 0: no shared experts
     expert_bias: bool = False  # aux-loss-free routing bias (DeepSeek-V3, Bailing)
-    router_dtype: str = "bfloat16"
+    router_dtype: str | None = None  # None: the model dtype
 
     def __post_init__(self) -> None:
-        dtype_bytes(self.router_dtype)
+        if self.router_dtype is not None:
+            dtype_bytes(self.router_dtype)
         if self.num_experts < 1 or self.intermediate_size < 1:
             raise UnsupportedLayoutError(f"MoE needs experts and an intermediate size, got {self}")
 
@@ -91,6 +92,10 @@ class ModelSpec:
         if self.mla is None:
             raise UnsupportedLayoutError(f"{self.architecture}: the model spec has no MLA section")
         return self.mla
+
+    @property
+    def router_dtype(self) -> str:
+        return (self.moe and self.moe.router_dtype) or self.dtype
 
     @property
     def output_dtype(self) -> str:

@@ -1,0 +1,87 @@
+"""Test helpers around canonical pieces: origin-encoded weights, reassembly with coverage checks, and a
+stand-in for the transfer (each inference target box intersected with every trainer piece, as the plan
+builder does)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from colocate_runtime.convert import CanonicalTensor, InferenceRankPlan
+from colocate_runtime.shards import Box, TensorShard
+
+Pieces = Iterable[tuple[TensorShard, torch.Tensor]]
+ORIGIN_STRIDE = 4096  # origin value = tensor id * stride + flat index: exact in fp32 for small test models
+
+
+def index(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def origin_tensors(catalogue: Mapping[str, CanonicalTensor]) -> dict[str, torch.Tensor]:
+    """Every element's value says which tensor and which element it is (float64; cast by the converters)."""
+    out = {}
+    assert len(catalogue) * ORIGIN_STRIDE < 2**24, "too many tensors for exact fp32 origins"
+    for i, (name, tensor) in enumerate(sorted(catalogue.items())):
+        numel = int(torch.Size(tensor.shape).numel())
+        assert numel < ORIGIN_STRIDE, f"{name} is too large for origin encoding"
+        out[name] = (i * ORIGIN_STRIDE + torch.arange(numel, dtype=torch.float64)).reshape(tensor.shape) + 1
+    return out
+
+
+def decode_origin(value: float) -> tuple[int, int]:
+    """(tensor id in sorted-name order, flat element index) of an origin-encoded value."""
+    tensor_id, flat = divmod(int(value) - 1, ORIGIN_STRIDE)
+    return tensor_id, flat
+
+
+def assemble(pieces: Pieces, catalogue: Mapping[str, CanonicalTensor]) -> dict[str, torch.Tensor]:
+    """Full canonical tensors from pieces: every element covered, overlaps equal, metadata matching."""
+    full: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for shard, data in pieces:
+        tensor = catalogue[shard.name]
+        assert (shard.global_shape, shard.dtype) == (tensor.shape, tensor.dtype), shard
+        assert tuple(data.shape) == shard.box.lengths, (shard, tuple(data.shape))
+        assert data.dtype == torch_dtype(shard.dtype), (shard, data.dtype)
+        if shard.name not in full:
+            full[shard.name] = torch.zeros(tensor.shape, dtype=data.dtype)
+            seen[shard.name] = torch.zeros(tensor.shape, dtype=torch.bool)
+        region, mask = full[shard.name][index(shard.box)], seen[shard.name][index(shard.box)]
+        assert torch.equal(region[mask], data[mask]), f"{shard.name}: replicas disagree in {shard.box}"
+        region.copy_(data)
+        mask.fill_(True)
+    assert set(full) == set(catalogue), sorted(set(catalogue) ^ set(full))[:5]
+    for name, mask in seen.items():
+        assert bool(mask.all()), f"{name}: {int((~mask).sum())} elements never covered"
+    return full
+
+
+def deliver(plan: InferenceRankPlan, pieces: Pieces) -> dict[str, torch.Tensor]:
+    """An inference rank's parameters after receiving, for each of its target boxes, every overlapping part of
+    the trainer pieces; asserts each target is fully covered."""
+    by_name: dict[str, list[tuple[TensorShard, torch.Tensor]]] = defaultdict(list)
+    for shard, data in pieces:
+        by_name[shard.name].append((shard, data))
+    dtypes = {p.name: next((pl.shard.dtype for pl in p.placements), plan.spec.dtype) for p in plan.params}
+    params = {
+        name: torch.zeros(shape, dtype=torch_dtype(dtypes[name]))
+        for name, shape in plan.param_shapes().items()
+    }
+    for target in plan.shards():
+        covered = torch.zeros(target.box.lengths, dtype=torch.bool)
+        for source, data in by_name[target.name]:
+            common = target.box.intersect(source.box)
+            if common is None:
+                continue
+            piece = TensorShard(target.name, target.global_shape, target.dtype, common)
+            plan.write(params, piece, data[index(common.relative_to(source.box))])
+            covered[index(common.relative_to(target.box))] = True
+        assert bool(covered.all()), f"{target.name}: {target.box} not fully fed by the trainer pieces"
+    return params
