@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 BIN_DIR = $$(bash scripts/build-tools.sh)
 
-.PHONY: setup test test-unit lint demo cluster-up cluster-down
+.PHONY: setup test test-unit lint demo cluster-up cluster-down chart-crd
 
 setup:
 	@bash scripts/setup.sh
@@ -28,3 +28,7 @@ cluster-up: setup
 
 cluster-down:
 	@$(PY) -m colocate_devcluster down
+
+## The chart ships a copy of the CRD (Helm installs crds/ before templates); a test checks they match.
+chart-crd:
+	@cp operator/crds/colocatejobs.colocate.dev.yaml charts/colocate-operator/crds/
