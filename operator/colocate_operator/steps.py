@@ -1,0 +1,159 @@
+"""Weight-update steps -> status: folds a job's step events (runtime/colocated/events.py) into
+`status.weightSync` and the bounded `status.recentSteps` history. Pure: no I/O, the clock is passed in.
+
+A step is complete when every trainer GPU of the job reported `finished` with `result=ok` for it, in the
+newest trainer incarnation (`gen`): a restarted trainer's steps replace the old ones. Success of the whole
+job needs the trainer's `final` record, never exit codes alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from colocate_runtime.colocated.events import StepEvent
+
+# What `kubectl get` shows while a step moves through the runtime (status.weightSync.currentPhase).
+PHASE_NAMES = {
+    "published": "Publishing",
+    "opened": "Opening",
+    "copied": "Copying",
+    "closed": "Closing",
+    "acked": "Acknowledging",
+    "freed": "Freeing",
+    "finished": "Rollout",
+    "failed": "Failed",
+    "final": "Done",
+}
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    result: str  # Succeeded | Failed
+    sync_seconds: float
+    bytes: int
+    completion_time: float
+    message: str = ""
+
+    def to_status(self) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "step": self.step,
+            "result": self.result,
+            "syncSeconds": round(self.sync_seconds, 6),
+            "bytes": self.bytes,
+            "completionTime": iso(self.completion_time),
+        }
+        if self.message:
+            record["message"] = self.message
+        return record
+
+
+@dataclass
+class StepTracker:
+    """One job's weight-sync progress. `observe` returns True when the event crossed a step boundary, i.e.
+    when status is worth writing now; intermediate phases only update what the next write carries."""
+
+    expected_gpus: int
+    history_limit: int = 10
+    gen: int = -1
+    last_completed_step: int | None = None
+    weight_version: str = ""
+    last_sync_seconds: float = 0.0
+    last_sync_bytes: int = 0
+    current_phase: str = ""
+    last_progress_ts: float | None = None  # when the last step completed (or tracking started)
+    final_result: str | None = None
+    last_failure: StepRecord | None = None
+    recent: list[StepRecord] = field(default_factory=list)
+    _pending: dict[int, dict[str, StepEvent]] = field(default_factory=dict)
+    _failed_steps: set[int] = field(default_factory=set)
+
+    def observe(self, event: StepEvent) -> bool:
+        if event.gen < self.gen:
+            return False  # a dead trainer incarnation's leftovers
+        if event.gen > self.gen:
+            self.gen = event.gen
+            self._pending.clear()
+            self._failed_steps.clear()
+        self.current_phase = PHASE_NAMES.get(event.phase, event.phase)
+        if event.role != "trainer":
+            return False
+        if event.phase == "final":
+            self.final_result = "Succeeded" if event.result == "ok" else "Failed"
+            return True
+        if event.phase == "failed" or (event.phase == "finished" and event.result != "ok"):
+            return self._fail(event)
+        if event.phase == "finished":
+            return self._finish(event)
+        return False
+
+    def _finish(self, event: StepEvent) -> bool:
+        if self.last_completed_step is not None and event.step <= self.last_completed_step:
+            return False
+        gpus = self._pending.setdefault(event.step, {})
+        gpus[event.gpu or f"rank-{event.rank}"] = event
+        if len(gpus) < self.expected_gpus:
+            return False
+        events = list(gpus.values())
+        self.last_completed_step = event.step
+        self.weight_version = max((e.weight_version for e in events), key=_version_key)
+        self.last_sync_seconds = max(e.seconds for e in events)
+        self.last_sync_bytes = sum(e.bytes for e in events)
+        self.last_progress_ts = max(e.ts for e in events)
+        self.last_failure = None
+        for step in [s for s in self._pending if s <= event.step]:
+            del self._pending[step]
+        self._remember(
+            StepRecord(
+                event.step, "Succeeded", self.last_sync_seconds, self.last_sync_bytes, self.last_progress_ts
+            )
+        )
+        return True
+
+    def _fail(self, event: StepEvent) -> bool:
+        if event.step in self._failed_steps:
+            return False  # one record per failed step, however many GPUs report it
+        self._failed_steps.add(event.step)
+        self._pending.pop(event.step, None)
+        message = f"{event.result or 'error'} on GPU {event.gpu or event.rank}: {event.error}".strip(": ")
+        record = StepRecord(event.step, "Failed", event.seconds, event.bytes, event.ts, message)
+        self.last_failure = record
+        self._remember(record)
+        return True
+
+    def _remember(self, record: StepRecord) -> None:
+        self.recent.append(record)
+        del self.recent[: max(0, len(self.recent) - self.history_limit)]
+
+    def stalled(self, now: float, deadline_seconds: float) -> bool:
+        """No step completed within the progress deadline (counted from the last one, or from the start)."""
+        if self.final_result is not None or self.last_progress_ts is None:
+            return False
+        return now - self.last_progress_ts > deadline_seconds
+
+    def weight_sync_status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"currentPhase": self.current_phase or "Pending"}
+        if self.last_completed_step is not None:
+            status.update(
+                lastCompletedStep=self.last_completed_step,
+                weightVersion=self.weight_version,
+                lastSyncSeconds=round(self.last_sync_seconds, 6),
+                lastSyncBytes=self.last_sync_bytes,
+            )
+        if self.final_result is not None:
+            status["finalStepRecorded"] = True
+        return status
+
+    def recent_steps_status(self) -> list[dict[str, Any]]:
+        return [r.to_status() for r in self.recent]
+
+
+def _version_key(version: str) -> tuple[int, int, str]:
+    """Numeric versions compare as numbers, others as text."""
+    return (1, int(version), "") if version.isdigit() else (0, 0, version)

@@ -1,0 +1,121 @@
+"""Step events -> weight-sync status, without a cluster."""
+
+from __future__ import annotations
+
+from colocate_operator.steps import StepTracker
+from colocate_runtime.colocated.events import StepEvent
+
+
+def finished(
+    step: int,
+    gpu: str,
+    *,
+    gen: int = 1,
+    seconds: float = 0.01,
+    nbytes: int = 100,
+    version: str = "",
+    ts: float = 1000.0,
+    result: str = "ok",
+) -> StepEvent:
+    return StepEvent(
+        role="trainer",
+        gen=gen,
+        step=step,
+        phase="finished",
+        result=result,
+        seconds=seconds,
+        bytes=nbytes,
+        gpu=gpu,
+        weight_version=version or str(step),
+        ts=ts,
+    )
+
+
+def test_step_completes_only_when_every_gpu_finished() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    assert tracker.observe(finished(1, "GPU-a", seconds=0.02, nbytes=10)) is False
+    assert tracker.last_completed_step is None
+    assert tracker.observe(finished(1, "GPU-a")) is False  # a repeat from the same GPU counts once
+    assert tracker.observe(finished(1, "GPU-b", seconds=0.05, nbytes=30, ts=1001.0)) is True
+    status = tracker.weight_sync_status()
+    assert status["lastCompletedStep"] == 1
+    assert status["lastSyncSeconds"] == 0.05  # the slowest GPU bounds the step
+    assert status["lastSyncBytes"] == 130
+    assert [r["step"] for r in tracker.recent_steps_status()] == [1]
+    assert tracker.recent_steps_status()[0]["completionTime"] == "1970-01-01T00:16:41Z"
+
+
+def test_intermediate_phases_update_the_phase_without_a_write() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    event = StepEvent(role="reader", gen=1, step=3, phase="copied")
+    assert tracker.observe(event) is False
+    assert tracker.weight_sync_status() == {"currentPhase": "Copying"}
+
+
+def test_history_is_bounded_and_keeps_the_newest() -> None:
+    tracker = StepTracker(expected_gpus=1, history_limit=3)
+    for step in range(1, 8):
+        assert tracker.observe(finished(step, "g")) is True
+    assert [r["step"] for r in tracker.recent_steps_status()] == [5, 6, 7]
+
+
+def test_old_or_repeated_steps_do_not_move_status_back() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    tracker.observe(finished(5, "g"))
+    assert tracker.observe(finished(4, "g")) is False
+    assert tracker.observe(finished(5, "g")) is False
+    assert tracker.last_completed_step == 5
+
+
+def test_a_new_trainer_incarnation_drops_pending_steps_and_ignores_the_old_one() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    tracker.observe(finished(1, "a", gen=1))
+    tracker.observe(finished(1, "b", gen=2))  # new incarnation: gen 1's half-finished step is gone
+    assert tracker.last_completed_step is None
+    assert tracker.observe(finished(1, "a", gen=1)) is False  # stale
+    assert tracker.observe(finished(1, "a", gen=2)) is True
+
+
+def test_failure_is_recorded_once_per_step_with_its_reason() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    failed = StepEvent(
+        role="trainer",
+        gen=1,
+        step=2,
+        phase="failed",
+        result="timeout",
+        gpu="GPU-x",
+        error="no ACK within 600 s",
+        ts=5.0,
+    )
+    assert tracker.observe(failed) is True
+    assert tracker.observe(failed) is False
+    (record,) = tracker.recent_steps_status()
+    assert record["result"] == "Failed" and "timeout on GPU GPU-x: no ACK" in record["message"]
+    assert tracker.last_failure is not None
+    tracker.observe(finished(3, "a"))
+    tracker.observe(finished(3, "b"))
+    assert tracker.last_failure is None  # a later good step heals the job
+
+
+def test_final_record_is_what_marks_success() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    tracker.observe(finished(1, "g"))
+    assert tracker.final_result is None
+    assert tracker.observe(StepEvent(role="trainer", gen=1, step=1, phase="final", result="ok", final=True))
+    assert tracker.final_result == "Succeeded"
+    assert tracker.weight_sync_status()["finalStepRecorded"] is True
+
+
+def test_stalled_after_the_progress_deadline() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    tracker.observe(finished(1, "g", ts=100.0))
+    assert not tracker.stalled(now=150.0, deadline_seconds=60)
+    assert tracker.stalled(now=161.0, deadline_seconds=60)
+
+
+def test_numeric_weight_versions_compare_as_numbers() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    tracker.observe(finished(1, "a", version="9"))
+    tracker.observe(finished(1, "b", version="10"))
+    assert tracker.weight_version == "10"
