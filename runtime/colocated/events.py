@@ -1,0 +1,175 @@
+"""Step events: the contract between the in-pod runtime and the operator (pure encode/decode + XADD).
+
+Stream key, one per job: `colocate:{namespace}:{job}:events`, where `namespace` and `job` are the values of
+`COLOCATE_NAMESPACE` and `COLOCATE_JOB_NAME` (see config.py). The stream is capped (`XADD MAXLEN ~ 10000`);
+it is written with `XADD` by the trainer-side writer and the SGLang-side reader of every pod and GPU.
+
+Every entry has all of these fields, as strings (Redis stream values are strings):
+
+| field | meaning |
+|---|---|
+| `v` | schema version of the event, `1` |
+| `role` | `trainer` (writer) or `reader` (SGLang side) |
+| `gen` | trainer incarnation (a restarted trainer has a larger one; ignore steps of older ones) |
+| `step` | the trainer's optimizer step |
+| `phase` | see below |
+| `result` | `ok`, `error`, `aborted`, `timeout`, `peer_lost`, `metastore_lost`; empty mid-step |
+| `seconds` | duration of this phase; for `finished`, the whole step on that side |
+| `phase_seconds` | JSON object phase -> seconds (on `finished`, `failed`), e.g. `{"publish": 0.001, ...}` |
+| `bytes` | payload bytes of the step on this GPU |
+| `handles` | number of IPC handles (buckets) of the step on this GPU |
+| `replica` | pod index (`COLOCATE_REPLICA_INDEX`) |
+| `rank` | process rank (trainer rank or SGLang TP rank) |
+| `gpu` | GPU UUID |
+| `weight_version` | the version the step installs in SGLang |
+| `final` | `true` only on the last record of a training run, else `false` |
+| `error` | short message on `failed` (at most 512 characters; never contains secrets), else empty |
+| `ts` | wall-clock time of the event, Unix seconds |
+
+Phases, in order. Trainer: `published` (manifest and handles written; `seconds` covers packing and
+publishing), `acked` (ACK received; `seconds` = wait), `freed` (buckets returned), `finished`. Reader:
+`opened`, `copied`, `closed` (verified forced IPC close), `acked`, `finished`. Either side: `failed` with a
+`result` other than `ok`. At the end of training the trainer writes one record with `phase=final`,
+`final=true`, `step` = last step, `result` = `ok` or `error`: success of the job needs this record, not exit
+codes.
+
+For status, the operator needs only the trainer's `finished`, `failed` and `final` records: a step is
+complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+SCHEMA_VERSION = 1
+STREAM_MAXLEN = 10_000
+ERROR_MAX_CHARS = 512
+
+PHASES = (
+    "published",
+    "opened",
+    "copied",
+    "closed",
+    "acked",
+    "freed",
+    "finished",
+    "failed",
+    "final",
+)
+RESULTS = ("", "ok", "error", "aborted", "timeout", "peer_lost", "metastore_lost")
+
+
+class EventError(ValueError):
+    """A stream entry that does not decode as a step event."""
+
+
+def stream_key(namespace: str, job: str) -> str:
+    return f"colocate:{namespace}:{job}:events"
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    role: str
+    gen: int
+    step: int
+    phase: str
+    result: str = ""
+    seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+    handles: int = 0
+    replica: int = 0
+    rank: int = 0
+    gpu: str = ""
+    weight_version: str = ""
+    final: bool = False
+    error: str = ""
+    ts: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("trainer", "reader"):
+            raise EventError(f"role {self.role!r} is not trainer or reader")
+        if self.phase not in PHASES:
+            raise EventError(f"phase {self.phase!r} is not one of {PHASES}")
+        if self.result not in RESULTS:
+            raise EventError(f"result {self.result!r} is not one of {RESULTS}")
+
+
+def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
+    """Stream fields of an event; `ts` is set from `now` (or the clock) when the event has none."""
+    ts = event.ts or (time.time() if now is None else now)
+    return {
+        "v": str(SCHEMA_VERSION),
+        "role": event.role,
+        "gen": str(event.gen),
+        "step": str(event.step),
+        "phase": event.phase,
+        "result": event.result,
+        "seconds": f"{event.seconds:.6f}",
+        "phase_seconds": json.dumps(
+            {k: round(v, 6) for k, v in sorted(event.phase_seconds.items())}, separators=(",", ":")
+        ),
+        "bytes": str(event.bytes),
+        "handles": str(event.handles),
+        "replica": str(event.replica),
+        "rank": str(event.rank),
+        "gpu": event.gpu,
+        "weight_version": event.weight_version,
+        "final": "true" if event.final else "false",
+        "error": event.error[:ERROR_MAX_CHARS],
+        "ts": f"{ts:.6f}",
+    }
+
+
+def decode(fields: dict[Any, Any]) -> StepEvent:
+    """The event of one stream entry (keys and values may be bytes, as redis-py returns them)."""
+    f = {_text(k): _text(v) for k, v in fields.items()}
+    try:
+        if int(f.get("v", "0")) != SCHEMA_VERSION:
+            raise EventError(f"event schema {f.get('v')!r}, this reader knows {SCHEMA_VERSION}")
+        phase_seconds = json.loads(f.get("phase_seconds") or "{}")
+        if not isinstance(phase_seconds, dict):
+            raise EventError("phase_seconds is not a JSON object")
+        return StepEvent(
+            role=f["role"],
+            gen=int(f["gen"]),
+            step=int(f["step"]),
+            phase=f["phase"],
+            result=f.get("result", ""),
+            seconds=float(f.get("seconds") or 0),
+            phase_seconds={str(k): float(v) for k, v in phase_seconds.items()},
+            bytes=int(f.get("bytes") or 0),
+            handles=int(f.get("handles") or 0),
+            replica=int(f.get("replica") or 0),
+            rank=int(f.get("rank") or 0),
+            gpu=f.get("gpu", ""),
+            weight_version=f.get("weight_version", ""),
+            final=f.get("final") == "true",
+            error=f.get("error", ""),
+            ts=float(f.get("ts") or 0),
+        )
+    except (KeyError, ValueError, TypeError) as err:
+        if isinstance(err, EventError):
+            raise
+        raise EventError(f"malformed step event {f!r}: {err}") from None
+
+
+def decode_entries(entries: list[tuple[Any, dict[Any, Any]]]) -> list[tuple[str, StepEvent]]:
+    """`[(entry_id, event)]` from an `XRANGE` reply or one stream of an `XREAD` reply."""
+    return [(_text(entry_id), decode(fields)) for entry_id, fields in entries]
+
+
+class _XAdd(Protocol):
+    def xadd(self, name: str, fields: dict[str, str], *, maxlen: int, approximate: bool) -> Any: ...
+
+
+def xadd(client: _XAdd, key: str, event: StepEvent, *, maxlen: int = STREAM_MAXLEN) -> Any:
+    """Append one event (works with a redis-py client or pipeline)."""
+    return client.xadd(key, encode(event), maxlen=maxlen, approximate=True)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

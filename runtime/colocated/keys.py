@@ -1,0 +1,80 @@
+"""The meta-store's key schema (pure: strings only).
+
+Every key of one job starts with `colocate:{namespace}:{job}` (`{p}` below). Keys of one trainer incarnation
+carry its generation `g{gen}`, so a restarted trainer never reads its predecessor's keys; per-step keys carry
+`s{step}`, per-GPU keys the GPU's UUID (never a device index: the two containers may enumerate GPUs
+differently).
+
+| key | type | written by | content |
+|---|---|---|---|
+| `{p}:gen` | counter | trainer (`INCR` at start) | current incarnation |
+| `{p}:events` | stream | both sides | step events for the operator (events.py) |
+| `{p}:hb:{role}:{uuid}` | string, TTL | each process (`trainer`, `reader`) | JSON: pid, host, state |
+| `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
+| `{p}:g{gen}:ready:{uuid}` | list, TTL | trainer | step numbers whose manifest is published |
+| `{p}:g{gen}:s{step}:manifest:{uuid}` | bytes (msgpack), TTL, NX | trainer | manifest.py |
+| `{p}:g{gen}:s{step}:claim:{uuid}` | string, TTL, NX | reader before opening / trainer | `reader`/`revoked` |
+| `{p}:g{gen}:s{step}:ack:{uuid}` | JSON, TTL, NX | reader | manifest.Ack (states `ipc_closed`) |
+| `{p}:g{gen}:s{step}:ackq:{uuid}` | list, TTL | reader | a token pushed with the ACK (trainer blocks on it) |
+| `{p}:g{gen}:s{step}:abort` | string, TTL | anyone | reason; aborts this step |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("trainer", "reader")
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    namespace: str
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"colocate:{self.namespace}:{self.job}"
+
+    def gen(self) -> str:
+        return f"{self.prefix}:gen"
+
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    def heartbeat(self, role: str, uuid: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {ROLES}")
+        return f"{self.prefix}:hb:{role}:{uuid}"
+
+    def gen_abort(self, gen: int) -> str:
+        return f"{self.prefix}:g{gen}:abort"
+
+    def ready(self, gen: int, uuid: str) -> str:
+        return f"{self.prefix}:g{gen}:ready:{uuid}"
+
+    def step_prefix(self, gen: int, step: int) -> str:
+        return f"{self.prefix}:g{gen}:s{step}"
+
+    def manifest(self, gen: int, step: int, uuid: str) -> str:
+        return f"{self.step_prefix(gen, step)}:manifest:{uuid}"
+
+    def claim(self, gen: int, step: int, uuid: str) -> str:
+        return f"{self.step_prefix(gen, step)}:claim:{uuid}"
+
+    def ack(self, gen: int, step: int, uuid: str) -> str:
+        return f"{self.step_prefix(gen, step)}:ack:{uuid}"
+
+    def ack_queue(self, gen: int, step: int, uuid: str) -> str:
+        return f"{self.step_prefix(gen, step)}:ackq:{uuid}"
+
+    def step_abort(self, gen: int, step: int) -> str:
+        return f"{self.step_prefix(gen, step)}:abort"
+
+    def step_keys(self, gen: int, step: int, uuid: str) -> tuple[str, ...]:
+        """Every per-GPU key of one step (for deletion of old steps); the step's abort key is shared."""
+        return (
+            self.manifest(gen, step, uuid),
+            self.claim(gen, step, uuid),
+            self.ack(gen, step, uuid),
+            self.ack_queue(gen, step, uuid),
+        )

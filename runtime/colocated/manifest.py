@@ -1,0 +1,249 @@
+"""The messages of one step: the trainer's manifest (msgpack) and the reader's ACK (JSON). Never pickle.
+
+A manifest names, for one GPU and one step, the buckets (dtype, size and a transport descriptor made of plain
+fields: bytes, ints, strings) and the entries packed in them (canonical name, dtype, shape, byte offset and an
+optional shard box). A decoded manifest is checked before any of it is used: a reader never maps or indexes
+memory on the strength of an unchecked message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from colocate_runtime.colocated.buckets import (
+    BucketPlan,
+    BucketPlanError,
+    BucketSpec,
+    PlacedEntry,
+    check_plan,
+)
+from colocate_runtime.shards import ShardError, TensorShard
+
+SCHEMA_VERSION = 1
+Descriptor = dict[str, str | int | bytes | bool | None]
+
+
+class ManifestError(ValueError):
+    """A manifest or ACK that cannot be trusted (wrong schema, step, GPU, or inconsistent layout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Producer:
+    rank: int
+    replica: int
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class BucketRecord:
+    index: int
+    dtype: str
+    nbytes: int
+    descriptor: Descriptor
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    job: str
+    namespace: str
+    gen: int
+    step: int
+    gpu: str
+    weight_version: str
+    transport: str
+    producer: Producer
+    buckets: tuple[BucketRecord, ...]
+    entries: tuple[PlacedEntry, ...]
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def plan(self) -> BucketPlan:
+        return BucketPlan(tuple(BucketSpec(b.index, b.dtype, b.nbytes) for b in self.buckets), self.entries)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "job": m.job,
+        "namespace": m.namespace,
+        "gen": m.gen,
+        "step": m.step,
+        "gpu": m.gpu,
+        "weight_version": m.weight_version,
+        "transport": m.transport,
+        "producer": {
+            "rank": m.producer.rank,
+            "replica": m.producer.replica,
+            "pid": m.producer.pid,
+            "host": m.producer.host,
+        },
+        "buckets": [
+            {"index": b.index, "dtype": b.dtype, "nbytes": b.nbytes, "descriptor": b.descriptor}
+            for b in m.buckets
+        ],
+        # Entries as parallel columns: a 400-entry manifest encodes and decodes in well under a millisecond.
+        "entries": {
+            "name": [e.name for e in m.entries],
+            "dtype": [e.dtype for e in m.entries],
+            "shape": [list(e.shape) for e in m.entries],
+            "bucket": [e.bucket for e in m.entries],
+            "offset": [e.offset for e in m.entries],
+            "nbytes": [e.nbytes for e in m.entries],
+            "shard": [None if e.shard is None else e.shard.to_json() for e in m.entries],
+        },
+        "checksums": dict(m.checksums),
+    }
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode_manifest(
+    blob: bytes,
+    *,
+    expect_gen: int | None = None,
+    expect_step: int | None = None,
+    expect_gpu: str | None = None,
+) -> Manifest:
+    """Decode and check a manifest; `expect_*` pin it to the key it was read from."""
+    try:
+        doc = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
+        raise ManifestError(f"manifest is not valid msgpack: {err}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_VERSION:
+        schema = doc.get("schema") if isinstance(doc, dict) else None
+        raise ManifestError(f"manifest schema {schema!r}, this reader knows {SCHEMA_VERSION}")
+    try:
+        cols = doc["entries"]
+        n = len(cols["name"])
+        if any(len(cols[k]) != n for k in ("dtype", "shape", "bucket", "offset", "nbytes", "shard")):
+            raise ManifestError("manifest entry columns have different lengths")
+        entries = tuple(
+            PlacedEntry(
+                name=str(cols["name"][i]),
+                dtype=str(cols["dtype"][i]),
+                shape=tuple(int(d) for d in cols["shape"][i]),
+                bucket=int(cols["bucket"][i]),
+                offset=int(cols["offset"][i]),
+                nbytes=int(cols["nbytes"][i]),
+                shard=None if cols["shard"][i] is None else TensorShard.from_json(cols["shard"][i]),
+            )
+            for i in range(n)
+        )
+        buckets = tuple(
+            BucketRecord(int(b["index"]), str(b["dtype"]), int(b["nbytes"]), _descriptor(b["descriptor"]))
+            for b in doc["buckets"]
+        )
+        p = doc["producer"]
+        m = Manifest(
+            job=str(doc["job"]),
+            namespace=str(doc["namespace"]),
+            gen=int(doc["gen"]),
+            step=int(doc["step"]),
+            gpu=str(doc["gpu"]),
+            weight_version=str(doc["weight_version"]),
+            transport=str(doc["transport"]),
+            producer=Producer(int(p["rank"]), int(p["replica"]), int(p["pid"]), str(p["host"])),
+            buckets=buckets,
+            entries=entries,
+            checksums={str(k): str(v) for k, v in dict(doc.get("checksums") or {}).items()},
+        )
+    except ManifestError:
+        raise
+    except (KeyError, TypeError, ValueError, ShardError) as err:
+        raise ManifestError(f"malformed manifest: {err!r}") from None
+    for what, got, want in (
+        ("gen", m.gen, expect_gen),
+        ("step", m.step, expect_step),
+        ("gpu", m.gpu, expect_gpu),
+    ):
+        if want is not None and got != want:
+            raise ManifestError(f"manifest for {what} {got!r} found under the key of {what} {want!r}")
+    try:
+        check_plan(m.plan())
+    except BucketPlanError as err:
+        raise ManifestError(f"manifest layout is inconsistent: {err}") from None
+    for e in m.entries:
+        if e.shard is not None and (e.shard.name != e.name or e.shard.box.lengths != e.shape):
+            raise ManifestError(f"{e.name}: shard {e.shard} does not describe the entry")
+    return m
+
+
+def _descriptor(raw: Any) -> Descriptor:
+    if not isinstance(raw, dict):
+        raise ManifestError("bucket descriptor is not a map")
+    out: Descriptor = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, str | int | bytes | bool)):
+            raise ManifestError(f"bucket descriptor field {k!r} has a value of type {type(v).__name__}")
+        out[k] = v
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The reader's answer for one step and GPU. `ipc_closed` is the producer's licence to free buckets."""
+
+    status: str  # "ok" or "error"
+    ipc_closed: bool
+    result: str = "ok"  # on errors, the reader's StepFailed result: error, aborted, ...
+    bytes_copied: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    gc_fallback: bool = False
+    checksum_mismatches: tuple[str, ...] = ()
+    error: str = ""
+    reader_pid: int = 0
+    reader_host: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in ("ok", "error"):
+            raise ManifestError(f"ACK status {self.status!r} is not ok or error")
+        if self.status == "ok" and not self.ipc_closed:
+            raise ManifestError("an ok ACK must state ipc_closed=true")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "schema": SCHEMA_VERSION,
+                "status": self.status,
+                "ipc_closed": self.ipc_closed,
+                "result": self.result,
+                "bytes_copied": self.bytes_copied,
+                "seconds": self.seconds,
+                "gc_fallback": self.gc_fallback,
+                "checksum_mismatches": list(self.checksum_mismatches),
+                "error": self.error[:2000],
+                "reader_pid": self.reader_pid,
+                "reader_host": self.reader_host,
+            },
+            separators=(",", ":"),
+        )
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Ack:
+        try:
+            d = json.loads(text)
+            if d.get("schema") != SCHEMA_VERSION:
+                raise ManifestError(f"ACK schema {d.get('schema')!r}, this writer knows {SCHEMA_VERSION}")
+            return Ack(
+                status=str(d["status"]),
+                ipc_closed=d["ipc_closed"] is True,
+                result=str(d.get("result", "ok")),
+                bytes_copied=int(d.get("bytes_copied", 0)),
+                seconds={str(k): float(v) for k, v in dict(d.get("seconds") or {}).items()},
+                gc_fallback=bool(d.get("gc_fallback", False)),
+                checksum_mismatches=tuple(str(x) for x in d.get("checksum_mismatches") or ()),
+                error=str(d.get("error", "")),
+                reader_pid=int(d.get("reader_pid", 0)),
+                reader_host=str(d.get("reader_host", "")),
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ManifestError(f"malformed ACK: {err!r}") from None

@@ -1,0 +1,258 @@
+"""Meta-store client: the colocated protocol's operations on the job's Redis (redis-py, authenticated).
+
+Each method is one protocol operation on the key schema of keys.py. Writes that must not happen twice are
+`NX`; a value and its notification are written by one Lua script, so a notification never arrives without its
+data; every key carries a TTL. Redis failures surface as `MetaStoreUnavailable` (the callers' wait loops retry
+until their deadline), a refused password as `MetaStoreAuthError`. The password never appears in messages.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from colocate_runtime.colocated import events as ev
+from colocate_runtime.colocated.config import MetaStoreAddress
+from colocate_runtime.colocated.keys import KeySchema
+from colocate_runtime.colocated.manifest import Ack
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# SET value NX and, only if it was set, push a notification; 1 = written, 2 = the same value was already
+# there (an idempotent retry), 0 = a different value is there.
+_SET_NX_NOTIFY = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 1
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 2 end
+return 0
+"""
+
+# The first claimant of a step wins; returns the winner.
+_CLAIM = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return ARGV[1] end
+return redis.call('GET', KEYS[1])
+"""
+
+CLAIM_READER = "reader"
+CLAIM_REVOKED = "revoked"
+
+
+class MetaStoreError(RuntimeError):
+    pass
+
+
+class MetaStoreUnavailable(MetaStoreError):
+    """Redis cannot be reached (or restarted and lost state); callers retry within their deadline."""
+
+
+class MetaStoreAuthError(MetaStoreError):
+    """Redis refused the password."""
+
+
+class MetaStoreConflict(MetaStoreError):
+    """An NX write found a different value: two writers for one step, or a stale incarnation."""
+
+
+def _translated(fn: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        store = args[0]
+        try:
+            return fn(*args, **kwargs)
+        except redis.AuthenticationError as err:
+            raise MetaStoreAuthError(
+                f"meta-store {store.address} refused the password (check the Secret the operator mounts as "
+                f"COLOCATE_METASTORE_PASSWORD): {type(err).__name__}"
+            ) from None
+        except redis.ResponseError as err:
+            text = str(err)
+            if text.startswith(("WRONGPASS", "NOAUTH", "invalid password")):
+                raise MetaStoreAuthError(
+                    f"meta-store {store.address} refused authentication ({text.split(' ', 1)[0]})"
+                ) from None
+            raise MetaStoreError(f"meta-store {store.address}: {text}") from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as err:
+            raise MetaStoreUnavailable(
+                f"meta-store {store.address} unreachable: {type(err).__name__}: {err}"
+            ) from None
+
+    return wrapper
+
+
+class MetaStore:
+    def __init__(
+        self, client: redis.Redis, keys: KeySchema, *, key_ttl_s: float, address: str = "redis"
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.key_ttl_ms = int(key_ttl_s * 1000)
+        self.address = address
+        self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
+        self._claim = client.register_script(_CLAIM)
+
+    @staticmethod
+    def connect(
+        address: MetaStoreAddress, keys: KeySchema, *, key_ttl_s: float = 600.0, socket_timeout_s: float = 5.0
+    ) -> MetaStore:
+        """A client for the job's Redis; checks the password at once (a wrong one fails here, clearly)."""
+        client = redis.Redis(
+            host=address.host,
+            port=address.port,
+            password=address.password,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=min(2.0, socket_timeout_s),
+            retry=Retry(NoBackoff(), 0),  # the protocol's wait loops retry, within their deadlines
+            health_check_interval=0,
+        )
+        store = MetaStore(client, keys, key_ttl_s=key_ttl_s, address=str(address))
+        store.ping()
+        return store
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- server -------------------------------------------------------------------------------------------
+
+    @_translated
+    def ping(self) -> None:
+        self.client.ping()
+
+    @_translated
+    def server_run_id(self) -> str:
+        """Changes when Redis restarts: a restart mid-step lost that step's keys."""
+        return str(self.client.info("server")["run_id"])
+
+    # --- incarnation --------------------------------------------------------------------------------------
+
+    @_translated
+    def start_incarnation(self) -> int:
+        """A new trainer generation; keys of older generations are ignored from now on."""
+        return int(self.client.incr(self.keys.gen()))
+
+    @_translated
+    def current_gen(self) -> int | None:
+        raw = self.client.get(self.keys.gen())
+        return None if raw is None else int(raw)
+
+    @_translated
+    def restore_gen(self, gen: int) -> None:
+        """After a Redis restart the counter is gone; put ours back unless a newer trainer set one."""
+        self.client.set(self.keys.gen(), gen, nx=True)
+
+    # --- heartbeats ---------------------------------------------------------------------------------------
+
+    @_translated
+    def heartbeat(self, role: str, uuid: str, info: dict[str, Any], ttl_s: float) -> None:
+        self.client.set(self.keys.heartbeat(role, uuid), json.dumps(info), px=max(1, int(ttl_s * 1000)))
+
+    @_translated
+    def read_heartbeat(self, role: str, uuid: str) -> dict[str, Any] | None:
+        raw = self.client.get(self.keys.heartbeat(role, uuid))
+        return None if raw is None else json.loads(raw)
+
+    @_translated
+    def drop_heartbeat(self, role: str, uuid: str) -> None:
+        self.client.delete(self.keys.heartbeat(role, uuid))
+
+    # --- abort --------------------------------------------------------------------------------------------
+
+    @_translated
+    def abort(self, gen: int, step: int | None, reason: str, who: str) -> None:
+        """Cancel one step (or, with step None, every step of the incarnation). The first reason stays."""
+        key = self.keys.gen_abort(gen) if step is None else self.keys.step_abort(gen, step)
+        self.client.set(key, json.dumps({"who": who, "reason": reason[:500]}), nx=True, px=self.key_ttl_ms)
+
+    @_translated
+    def abort_reason(self, gen: int, step: int | None) -> str | None:
+        keys = [self.keys.gen_abort(gen)] + ([] if step is None else [self.keys.step_abort(gen, step)])
+        for raw in self.client.mget(keys):
+            if raw is not None:
+                d = json.loads(raw)
+                return f"{d.get('reason', '')} (by {d.get('who', '?')})"
+        return None
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    @_translated
+    def publish_manifest(self, gen: int, step: int, uuid: str, blob: bytes) -> bool:
+        """Write the manifest (NX) and push the step onto the GPU's ready list. False: an identical retry."""
+        result = self._set_nx_notify(
+            keys=[self.keys.manifest(gen, step, uuid), self.keys.ready(gen, uuid)],
+            args=[blob, self.key_ttl_ms, str(step)],
+        )
+        if int(result) == 0:
+            raise MetaStoreConflict(
+                f"step {step} of generation {gen} on {uuid} already has a different manifest"
+            )
+        return int(result) == 1
+
+    @_translated
+    def pop_ready(self, gen: int, uuid: str, timeout_s: float) -> int | None:
+        """Block at most `timeout_s` for the next published step on this GPU."""
+        got = self.client.blpop([self.keys.ready(gen, uuid)], timeout=max(timeout_s, 0.01))
+        return None if got is None else int(got[1])
+
+    @_translated
+    def read_manifest(self, gen: int, step: int, uuid: str) -> bytes | None:
+        return self.client.get(self.keys.manifest(gen, step, uuid))
+
+    @_translated
+    def manifest_exists(self, gen: int, step: int, uuid: str) -> bool:
+        return bool(self.client.exists(self.keys.manifest(gen, step, uuid)))
+
+    @_translated
+    def claim(self, gen: int, step: int, uuid: str, who: str) -> str:
+        """First come wins: the reader claims before it opens; the trainer revokes before it frees early."""
+        winner = self._claim(keys=[self.keys.claim(gen, step, uuid)], args=[who, self.key_ttl_ms])
+        return winner.decode() if isinstance(winner, bytes) else str(winner)
+
+    @_translated
+    def write_ack(self, gen: int, step: int, uuid: str, ack: Ack) -> bool:
+        result = self._set_nx_notify(
+            keys=[self.keys.ack(gen, step, uuid), self.keys.ack_queue(gen, step, uuid)],
+            args=[ack.to_json(), self.key_ttl_ms, "1"],
+        )
+        if int(result) == 0:
+            raise MetaStoreConflict(f"step {step} of generation {gen} on {uuid} was already acknowledged")
+        return int(result) == 1
+
+    @_translated
+    def wait_ack(self, gen: int, step: int, uuid: str, timeout_s: float) -> Ack | None:
+        """Block at most `timeout_s` for the ACK of one step."""
+        self.client.blpop([self.keys.ack_queue(gen, step, uuid)], timeout=max(timeout_s, 0.01))
+        raw = self.client.get(self.keys.ack(gen, step, uuid))
+        return None if raw is None else Ack.from_json(raw)
+
+    @_translated
+    def read_ack(self, gen: int, step: int, uuid: str) -> Ack | None:
+        raw = self.client.get(self.keys.ack(gen, step, uuid))
+        return None if raw is None else Ack.from_json(raw)
+
+    @_translated
+    def delete_steps(self, gen: int, steps: Iterable[int], uuid: str) -> int:
+        keys = [k for s in steps for k in self.keys.step_keys(gen, s, uuid)]
+        return int(self.client.delete(*keys)) if keys else 0
+
+    # --- events -------------------------------------------------------------------------------------------
+
+    @_translated
+    def emit(self, *events: ev.StepEvent) -> None:
+        """Append step events (several in one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for event in events:
+            ev.xadd(pipe, self.keys.events(), event)
+        pipe.execute()
+
+    @_translated
+    def read_events(self, since: str = "-", count: int = 10_000) -> list[tuple[str, ev.StepEvent]]:
+        return ev.decode_entries(self.client.xrange(self.keys.events(), min=since, count=count))
