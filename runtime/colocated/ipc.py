@@ -1,0 +1,165 @@
+"""CUDA IPC transport: buckets in plain cudaMalloc memory, exported as explicit descriptor fields.
+
+The descriptor holds the fields torch's storage sharing produces (`UntypedStorage._share_cuda_`: memory
+handle, sizes, offsets, the producer's reference-counter file and its event) as bytes and ints, so the reader
+rebuilds the storage with `UntypedStorage._new_shared_cuda` and nothing is unpickled. These are private torch
+APIs: `tests/runtime/test_colocated_gpu.py` covers them on every torch the project uses.
+
+Memory from VMM allocators (expandable segments, torch_memory_saver) cannot be exported with
+`cudaIpcGetMemHandle`; the exporter refuses to start when the caching allocator is configured that way.
+GPUs are named by UUID: the two containers of a pod may number them differently.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from colocate_runtime.colocated.manifest import Descriptor
+from colocate_runtime.colocated.transport import LocalBucket, TransportError
+
+KIND = "CudaIPC"
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def gpu_uuid(device: torch.device | int) -> str:
+    index = device.index if isinstance(device, torch.device) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    return "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index_of(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid:
+            return i
+    visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    raise TransportError(
+        f"no visible GPU has UUID {uuid} (visible: {visible}); "
+        "the trainer and SGLang containers must share the same GPUs"
+    )
+
+
+def allocator_settings() -> str:
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    runtime = getter() if getter is not None else ""
+    env = ",".join(os.environ.get(name, "") for name in _ALLOC_ENV)
+    return f"{env},{runtime}"
+
+
+def check_exportable() -> None:
+    """Refuse allocator settings whose memory cudaIpcGetMemHandle cannot export."""
+    settings = allocator_settings().replace(" ", "").lower()
+    if "expandable_segments:true" in settings:
+        raise TransportError(
+            "CUDA IPC buckets need plain cudaMalloc memory, but the caching allocator uses expandable "
+            "segments "
+            "(expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF/PYTORCH_ALLOC_CONF or set at run time); "
+            "such virtual-memory allocations cannot be exported with cudaIpcGetMemHandle. Turn expandable "
+            "segments off in the trainer for the weight sync."
+        )
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        raise TransportError(
+            f"CUDA IPC buckets need PyTorch's native caching allocator (plain cudaMalloc), not {backend!r}"
+        )
+
+
+class CudaIpcExporter:
+    kind = KIND
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise TransportError("CUDA IPC transport needs a GPU; use the SharedMemory transport on CPU")
+        check_exportable()
+        self.device = torch.device(
+            "cuda",
+            torch.cuda.current_device()
+            if device is None
+            else (device.index if isinstance(device, torch.device) else device),
+        )
+        self._uuid = gpu_uuid(self.device)
+
+    def device_uuid(self) -> str:
+        return self._uuid
+
+    def allocate(self, index: int, nbytes: int, tag: str) -> LocalBucket:
+        return LocalBucket(index, torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+    def export(self, bucket: LocalBucket) -> None:
+        if bucket.tensor is None:
+            raise TransportError(f"bucket {bucket.index} was already freed")
+        storage = bucket.tensor.untyped_storage()
+        (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+            storage._share_cuda_()
+        )
+        bucket.descriptor = {
+            "kind": KIND,
+            "uuid": self._uuid,
+            "handle": bytes(handle),
+            "storage_nbytes": int(size),
+            "storage_offset": int(offset),
+            "ref_counter_handle": bytes(ref_handle),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": None if event_handle is None else bytes(event_handle),
+            "event_sync_required": bool(event_sync),
+        }
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def free(self, buckets: list[LocalBucket]) -> None:
+        for b in buckets:
+            b.tensor = None
+        # Blocks shared with a consumer sit in torch's IPC limbo until the consumer's reference counter drops;
+        # collect them now that the consumer said its mappings are closed.
+        torch.cuda.ipc_collect()
+
+
+class CudaIpcImporter:
+    kind = KIND
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise TransportError("CUDA IPC transport needs a GPU")
+        index = (
+            torch.cuda.current_device()
+            if device is None
+            else (device.index if isinstance(device, torch.device) else device)
+        )
+        self.device = torch.device("cuda", index)
+        self._uuid = gpu_uuid(self.device)
+
+    def device_uuid(self) -> str:
+        return self._uuid
+
+    def open(self, descriptor: Descriptor, nbytes: int) -> torch.Tensor:
+        if descriptor.get("kind") != KIND:
+            raise TransportError(f"descriptor of kind {descriptor.get('kind')!r}, this importer opens {KIND}")
+        uuid = str(descriptor.get("uuid"))
+        index = device_index_of(uuid)
+        if index != self.device.index:
+            raise TransportError(f"bucket lives on {uuid}, this reader serves {self._uuid}")
+        size = descriptor.get("storage_nbytes")
+        if not isinstance(size, int) or size < nbytes:
+            raise TransportError(f"bucket storage of {size!r} bytes cannot hold {nbytes}")
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index,
+                descriptor["handle"],
+                size,
+                descriptor["storage_offset"],
+                descriptor["ref_counter_handle"],
+                descriptor["ref_counter_offset"],
+                descriptor["event_handle"],
+                descriptor["event_sync_required"],
+            )
+        except (KeyError, TypeError, RuntimeError) as err:
+            raise TransportError(f"cannot open the CUDA IPC handle of a bucket on {uuid}: {err}") from err
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device)
+        flat.set_(storage, 0, (nbytes,), (1,))
+        return flat
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,518 @@
+"""Inference side of the colocated update: open each bucket once, copy into the parameters, force the close,
+then ACK.
+
+The reader runs where the parameters live (inside the SGLang worker of its GPU; see sglang/loader.py). It
+follows the trainer's current incarnation, waits for the next step on its GPU's ready list, claims the step
+(so a trainer that gave up cannot free buckets under it), opens each bucket once, copies every entry into the
+matching target parameter, and hands whatever the local copy cannot fill to the `Exchange` seam (the cross-GPU
+exchange of runtime/p2p plugs in there when the inference layout differs from the trainer's). It then closes
+every mapping verifiably (close.py), compares sampled checksums, and writes the ACK with `ipc_closed`.
+
+It opens at most one step at a time and closes it before acknowledging, so an ACK for a step also says that
+no mapping of any earlier step is still open; the writer relies on that to free parked buckets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from colocate_runtime.colocated import checksum
+from colocate_runtime.colocated.buckets import PlacedEntry
+from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
+from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
+from colocate_runtime.colocated.manifest import Ack, Manifest, ManifestError, decode_manifest
+from colocate_runtime.colocated.metastore import CLAIM_READER, MetaStore, MetaStoreError, MetaStoreUnavailable
+from colocate_runtime.colocated.outcome import (
+    CoverageError,
+    MetaStoreLost,
+    PeerLost,
+    StepAborted,
+    StepFailed,
+    StepReport,
+    StepTimedOut,
+)
+from colocate_runtime.colocated.transport import BucketImporter
+from colocate_runtime.colocated.views import dtype_name, entry_view
+from colocate_runtime.colocated.waits import Deadline
+from colocate_runtime.shards import Box, TensorShard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderSettings:
+    job: str
+    namespace: str
+    replica: int = 0
+    rank: int = 0
+    step_timeout_s: float = 300.0
+    heartbeat_ttl_s: float = 10.0
+    verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
+    allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
+    blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
+
+    @staticmethod
+    def from_config(cfg: ColocateConfig, *, rank: int = 0) -> ReaderSettings:
+        return ReaderSettings(
+            job=cfg.job,
+            namespace=cfg.namespace,
+            replica=cfg.replica_index,
+            rank=rank,
+            step_timeout_s=cfg.step_timeout_s,
+            heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeRequest:
+    """What the local copy could not do. Views in `local` alias the mapped buckets: valid during the call.
+
+    `missing` maps a target name to its parameter; `missing_boxes` the regions of it (global coordinates, per
+    `target_shards`) still to fill. The exchange enqueues its device work on the current stream (the reader
+    synchronizes before the close), keeps no reference to any view after it returns, and returns the names it
+    filled completely. A receive that needs a dense buffer stages into one and copies back.
+    """
+
+    manifest: Manifest
+    local: Mapping[str, torch.Tensor]
+    local_entries: Mapping[str, PlacedEntry]
+    missing: Mapping[str, torch.Tensor]
+    missing_boxes: Mapping[str, tuple[Box, ...]]
+    target_shards: Mapping[str, TensorShard]
+
+
+class Exchange(Protocol):
+    def __call__(self, request: ExchangeRequest) -> set[str]: ...
+
+
+@dataclass(slots=True)
+class _CopyPlan:
+    direct_dst: list[torch.Tensor] = field(default_factory=list)
+    direct_src: list[torch.Tensor] = field(default_factory=list)
+    covered: dict[str, int] = field(default_factory=dict)
+    copied_bytes: int = 0
+
+
+class WeightReader:
+    def __init__(
+        self,
+        store: MetaStore,
+        importer: BucketImporter,
+        targets: Mapping[str, torch.Tensor],
+        settings: ReaderSettings,
+        *,
+        target_shards: Mapping[str, TensorShard] | None = None,
+        exchange: Exchange | None = None,
+    ) -> None:
+        self.store = store
+        self.importer = importer
+        self.targets = dict(targets)
+        self.target_shards = dict(target_shards or {})
+        self.settings = settings
+        self.exchange = exchange
+        self.uuid = importer.device_uuid()
+        self.history = UpdateHistory()
+        self.gen: int | None = None
+        self.last_applied: tuple[int, int] | None = None
+        self.weight_version: str | None = None
+        self._state = "idle"
+        self._heartbeat: Heartbeat | None = None
+        for name, shard in self.target_shards.items():
+            t = self.targets.get(name)
+            if t is None or tuple(t.shape) != shard.box.lengths:
+                raise ValueError(f"{name}: target shard {shard.box} does not match the parameter")
+
+    def start(self) -> WeightReader:
+        self._heartbeat = Heartbeat(
+            self.store,
+            "reader",
+            self.uuid,
+            self.settings.heartbeat_ttl_s,
+            info=lambda: {"state": self._state, "last": self.last_applied, "rank": self.settings.rank},
+        ).start()
+        return self
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    # --- waiting for a step -------------------------------------------------------------------------------
+
+    def apply_next(self, timeout_s: float | None = None) -> StepReport:
+        """Wait for the next published step on this GPU (of the trainer's current incarnation), apply it."""
+        deadline = Deadline(self.settings.step_timeout_s if timeout_s is None else timeout_s)
+        trainer: PeerWatch | None = None
+        trainer_gen: int | None = None
+        unreachable: str | None = None
+        while True:
+            try:
+                gen = self._follow_gen()
+                if trainer is None or trainer_gen != gen:
+                    trainer, trainer_gen = (
+                        PeerWatch(self.store, "trainer", self.uuid, self.settings.heartbeat_ttl_s),
+                        gen,
+                    )
+                if gen is not None:
+                    reason = self.store.abort_reason(gen, None)
+                    if reason is not None:
+                        raise StepAborted(f"generation {gen} aborted: {reason}")
+                    step = self.store.pop_ready(gen, self.uuid, deadline.slice())
+                    unreachable = None
+                    if step is not None:
+                        report = self._try_step(gen, step)
+                        if report is not None:
+                            return report
+                        continue
+                else:
+                    time.sleep(deadline.slice(0.2))
+                trainer.check()
+            except MetaStoreUnavailable as err:
+                unreachable = str(err)
+                time.sleep(min(0.2, deadline.remaining()))
+            if trainer is not None and trainer.ever_seen and trainer.dead() and unreachable is None:
+                raise PeerLost(f"trainer on {self.uuid} stopped heartbeating (generation {self.gen})")
+            if deadline.expired:
+                if unreachable is not None:
+                    raise MetaStoreLost(f"waiting for a step: {unreachable}")
+                raise StepTimedOut(f"no step published for {self.uuid} within {deadline.seconds:.1f}s")
+
+    def _follow_gen(self) -> int | None:
+        current = self.store.current_gen()
+        if current is not None and (self.gen is None or current > self.gen):
+            if self.gen is not None:
+                log.info(
+                    "trainer restarted: generation %d -> %d; keys of %d are ignored",
+                    self.gen,
+                    current,
+                    self.gen,
+                )
+            self.gen = current
+        return self.gen
+
+    def _try_step(self, gen: int, step: int) -> StepReport | None:
+        if self.last_applied is not None and (gen, step) <= self.last_applied:
+            return None  # a duplicate notification
+        blob = self.store.read_manifest(gen, step, self.uuid)
+        if blob is None:
+            log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
+            return None
+        if self.store.claim(gen, step, self.uuid, CLAIM_READER) != CLAIM_READER:
+            log.warning("step %d: the trainer revoked it before this reader claimed it; skipped", step)
+            return None
+        try:
+            manifest = decode_manifest(blob, expect_gen=gen, expect_step=step, expect_gpu=self.uuid)
+        except ManifestError as err:
+            # Nothing was opened: say so at once, so the trainer frees instead of waiting for its timeout.
+            ack = Ack(
+                status="error",
+                ipc_closed=True,
+                error=f"ManifestError: {err}",
+                reader_pid=os.getpid(),
+                reader_host=host_id(),
+            )
+            self.store.write_ack(gen, step, self.uuid, ack)
+            raise StepFailed(f"step {step}: {err}", step=step) from None
+        return self.apply(manifest)
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    def apply(self, manifest: Manifest) -> StepReport:
+        """Open, copy, close, verify, ACK. The caller must have claimed the step."""
+        gen, step = manifest.gen, manifest.step
+        self._state = "applying"
+        seconds: dict[str, float] = {}
+        scope = ImportScope()
+        t0 = time.perf_counter()
+        copied = 0
+        try:
+            reason = self.store.abort_reason(gen, step)
+            if reason is not None:
+                raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
+            for b in manifest.buckets:
+                scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
+            t1 = time.perf_counter()
+            seconds["open"] = t1 - t0
+            copied = self._copy(manifest, scope)
+            seconds["copy"] = time.perf_counter() - t1
+        except BaseException as err:
+            # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
+            traceback.clear_frames(err.__traceback__)
+            close = scope.close(self.importer.synchronize)
+            self._fail(manifest, err, close, seconds)
+            raise
+        close = scope.close(self.importer.synchronize, blanket_gc=self.settings.blanket_gc)
+        seconds["close"] = close.seconds
+        if not close.released:
+            err = CloseError(f"step {step}: buckets {list(close.alive)} still referenced after gc.collect()")
+            self._fail(manifest, err, close, seconds)
+            raise err
+        t2 = time.perf_counter()
+        mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
+        if manifest.checksums:
+            seconds["verify"] = time.perf_counter() - t2
+        ack = Ack(
+            status="error" if mismatches else "ok",
+            ipc_closed=True,
+            bytes_copied=copied,
+            seconds=seconds,
+            gc_fallback=close.gc_fallback,
+            checksum_mismatches=tuple(mismatches),
+            error=f"checksum mismatch: {mismatches}" if mismatches else "",
+            reader_pid=os.getpid(),
+            reader_host=host_id(),
+        )
+        t3 = time.perf_counter()
+        self.last_applied = (gen, step)
+        try:
+            self._write_ack(manifest, ack)
+        except MetaStoreError as err:
+            raise MetaStoreLost(
+                f"step {step} applied and closed, but its ACK was not written: {err}", step=step
+            ) from None
+        seconds["ack"] = time.perf_counter() - t3
+        self._state = "idle"
+        report = StepReport(
+            gen, step, manifest.weight_version, copied, len(manifest.buckets), seconds, close.gc_fallback
+        )
+        self._emit(
+            manifest,
+            [
+                ("opened", seconds.get("open", 0.0)),
+                ("copied", seconds.get("copy", 0.0)),
+                ("closed", close.seconds),
+                ("acked", seconds["ack"]),
+            ],
+            report,
+            mismatches,
+        )
+        if mismatches:
+            raise StepFailed(f"step {step}: sampled checksums differ for {mismatches}", step=step)
+        self.weight_version = manifest.weight_version
+        self.history.record(UpdateRecord(gen, step, manifest.plan().layout_hash(), copied, report.seconds))
+        if self.history.layout_changed():
+            log.warning("step %d: the trainer's layout changed since the previous update", step)
+        return report
+
+    def _copy(self, manifest: Manifest, scope: ImportScope) -> int:
+        plan = _CopyPlan()
+        extra: dict[str, PlacedEntry] = {}
+        for e in manifest.entries:
+            target = self.targets.get(e.name)
+            if target is None:
+                extra[e.name] = e
+                continue
+            if dtype_name(target.dtype) != e.dtype:
+                raise StepFailed(
+                    f"{e.name}: trainer sent {e.dtype}, the parameter is {dtype_name(target.dtype)}; "
+                    "the converter must emit the receiver's dtype",
+                    step=manifest.step,
+                )
+            view = entry_view(scope.bucket(e.bucket), e)
+            self._plan_entry(e, view, target, plan)
+        if plan.direct_dst:
+            torch._foreach_copy_(plan.direct_dst, plan.direct_src)
+        plan.direct_dst.clear()
+        plan.direct_src.clear()
+        missing = {n: t for n, t in self.targets.items() if plan.covered.get(n, 0) < t.numel()}
+        if extra and self.exchange is None and not self.settings.allow_extra_entries:
+            raise CoverageError(
+                f"step {manifest.step}: {len(extra)} entries have no parameter here: {sorted(extra)[:8]}",
+                step=manifest.step,
+            )
+        if missing and self.exchange is not None:
+            local = {e.name: entry_view(scope.bucket(e.bucket), e) for e in manifest.entries}
+            request = ExchangeRequest(
+                manifest=manifest,
+                local=local,
+                local_entries={e.name: e for e in manifest.entries},
+                missing=missing,
+                missing_boxes={n: self._missing_boxes(n, manifest) for n in missing},
+                target_shards=self.target_shards,
+            )
+            filled = self.exchange(request)
+            del request, local
+            missing = {n: t for n, t in missing.items() if n not in filled}
+        if missing:
+            raise CoverageError(
+                f"step {manifest.step}: {len(missing)} parameters not filled: {sorted(missing)[:8]}",
+                step=manifest.step,
+            )
+        return plan.copied_bytes
+
+    def _plan_entry(self, e: PlacedEntry, view: torch.Tensor, target: torch.Tensor, plan: _CopyPlan) -> None:
+        tshard = self.target_shards.get(e.name)
+        if e.shard is None and tshard is None:
+            if tuple(target.shape) != e.shape:
+                raise StepFailed(
+                    f"{e.name}: trainer sent shape {list(e.shape)}, the parameter has "
+                    f"{list(target.shape)} (no shard boxes to reconcile them)"
+                )
+            plan.direct_dst.append(target)
+            plan.direct_src.append(view)
+            plan.covered[e.name] = plan.covered.get(e.name, 0) + target.numel()
+            plan.copied_bytes += e.nbytes
+            return
+        # Sharded: copy the intersection of what the trainer holds and what this parameter needs.
+        src_box = e.shard.box if e.shard is not None else Box.full(e.shape)
+        dst_box = tshard.box if tshard is not None else Box.full(tuple(target.shape))
+        common = src_box.intersect(dst_box)
+        if common is None:
+            return
+        src = view[_slices(common.relative_to(src_box))]
+        dst = target[_slices(common.relative_to(dst_box))]
+        if src_box == dst_box:
+            plan.direct_dst.append(dst)
+            plan.direct_src.append(src)
+        else:
+            dst.copy_(src)
+        plan.covered[e.name] = plan.covered.get(e.name, 0) + common.numel
+        plan.copied_bytes += common.numel * target.element_size()
+
+    def _missing_boxes(self, name: str, manifest: Manifest) -> tuple[Box, ...]:
+        tshard = self.target_shards.get(name)
+        box = tshard.box if tshard is not None else Box.full(tuple(self.targets[name].shape))
+        owned = [e.shard.box for e in manifest.entries if e.name == name and e.shard is not None]
+        if not owned:
+            return (box,)
+        # One trainer rank owns at most one box per name: what it does not cover is the remainder.
+        common = owned[0].intersect(box)
+        return (box,) if common is None else tuple(_difference(box, common))
+
+    def _verify(self, manifest: Manifest) -> list[str]:
+        wrong = []
+        for name, expected in sorted(manifest.checksums.items()):
+            target = self.targets.get(name)
+            if target is None or name in self.target_shards:
+                continue  # compared only where the parameter is the whole entry
+            if checksum.tensor_checksum(target) != expected:
+                wrong.append(name)
+        return wrong
+
+    # --- answers ------------------------------------------------------------------------------------------
+
+    def _write_ack(self, manifest: Manifest, ack: Ack) -> None:
+        deadline = Deadline(max(5.0, self.settings.heartbeat_ttl_s))
+        while True:
+            try:
+                self.store.write_ack(manifest.gen, manifest.step, self.uuid, ack)
+                return
+            except MetaStoreUnavailable:
+                if deadline.expired:
+                    raise
+                time.sleep(0.2)
+
+    def _fail(
+        self, manifest: Manifest, err: BaseException, close: CloseReport, seconds: dict[str, float]
+    ) -> None:
+        self._state = "failed"
+        seconds = {**seconds, "close": close.seconds}
+        ack = Ack(
+            status="error",
+            ipc_closed=close.released,
+            result=err.result if isinstance(err, StepFailed) else "error",
+            seconds=seconds,
+            gc_fallback=close.gc_fallback,
+            error=f"{type(err).__name__}: {err}",
+            reader_pid=os.getpid(),
+            reader_host=host_id(),
+        )
+        try:
+            self._write_ack(manifest, ack)
+        except MetaStoreError as ack_err:
+            log.error("step %d: error ACK not written: %s", manifest.step, ack_err)
+        result = err.result if isinstance(err, StepFailed) else "error"
+        self._emit_one(
+            manifest, "failed", sum(seconds.values()), result=result, error=str(err), phase_seconds=seconds
+        )
+
+    def _emit(
+        self, manifest: Manifest, phases: list[tuple[str, float]], report: StepReport, mismatches: list[str]
+    ) -> None:
+        events = [self._event(manifest, phase, s, report.bytes) for phase, s in phases]
+        events.append(
+            self._event(
+                manifest,
+                "finished" if not mismatches else "failed",
+                report.seconds,
+                report.bytes,
+                result="ok" if not mismatches else "error",
+                phase_seconds=report.phase_seconds,
+                error=f"checksum mismatch: {mismatches}" if mismatches else "",
+            )
+        )
+        try:
+            self.store.emit(*events)
+        except MetaStoreError as err:
+            log.warning("step events not recorded: %s", err)
+
+    def _emit_one(self, manifest: Manifest, phase: str, seconds: float, **kw: object) -> None:
+        try:
+            self.store.emit(self._event(manifest, phase, seconds, manifest.payload_bytes, **kw))
+        except MetaStoreError as err:
+            log.warning("step event not recorded: %s", err)
+
+    def _event(
+        self,
+        manifest: Manifest,
+        phase: str,
+        seconds: float,
+        nbytes: int,
+        *,
+        result: str = "",
+        phase_seconds: object = None,
+        error: object = "",
+    ) -> StepEvent:
+        return StepEvent(
+            role="reader",
+            gen=manifest.gen,
+            step=manifest.step,
+            phase=phase,
+            result=result,
+            seconds=seconds,
+            phase_seconds=dict(phase_seconds or {}),
+            bytes=nbytes,
+            handles=len(manifest.buckets),
+            replica=self.settings.replica,
+            rank=self.settings.rank,
+            gpu=self.uuid,
+            weight_version=manifest.weight_version,
+            error=str(error),
+        )
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+
+
+def _difference(outer: Box, inner: Box) -> list[Box]:
+    """`outer` minus `inner` (inside it) as disjoint boxes, splitting one dimension at a time."""
+    pieces: list[Box] = []
+    offsets, lengths = list(outer.offsets), list(outer.lengths)
+    for d in range(outer.ndim):
+        lo, hi = inner.offsets[d], inner.offsets[d] + inner.lengths[d]
+        start, end = offsets[d], offsets[d] + lengths[d]
+        if lo > start:
+            pieces.append(Box(tuple(offsets), tuple([*lengths[:d], lo - start, *lengths[d + 1 :]])))
+        if hi < end:
+            pieces.append(
+                Box(
+                    tuple([*offsets[:d], hi, *offsets[d + 1 :]]),
+                    tuple([*lengths[:d], end - hi, *lengths[d + 1 :]]),
+                )
+            )
+        offsets[d], lengths[d] = lo, hi - lo
+    assert sum(p.numel for p in pieces) + inner.numel == outer.numel or math.prod(outer.lengths) == 0
+    return pieces

@@ -1,0 +1,510 @@
+"""Trainer side of the colocated update: pack, publish, wait for the ACK, and free only when that is safe.
+
+Per step and GPU: canonical named tensors (from runtime/convert) are packed into dtype-grouped buckets, the
+buckets are exported (CUDA IPC, or shared memory on CPU), the manifest is written with `NX` and the step is
+pushed onto the GPU's ready list. Then the writer waits, waking every second to check the ACK, the abort
+keys, the reader's heartbeat and whether Redis restarted.
+
+The rule the whole protocol serves: a bucket is freed only after an ACK that says `ipc_closed=true`, or once
+the reader is known dead, or when the reader provably never opened it (the trainer won the step's claim).
+Otherwise the buckets are parked, never reused, and freed later when one of those becomes true (a reader that
+acknowledges a later step holds no mapping of an earlier one: it opens one step at a time and closes it
+before its ACK).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from colocate_runtime.colocated import checksum
+from colocate_runtime.colocated.buckets import EntrySpec, plan_buckets
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
+from colocate_runtime.colocated.manifest import Ack, BucketRecord, Manifest, Producer, encode_manifest
+from colocate_runtime.colocated.metastore import (
+    CLAIM_REVOKED,
+    MetaStore,
+    MetaStoreError,
+    MetaStoreUnavailable,
+)
+from colocate_runtime.colocated.outcome import (
+    MetaStoreLost,
+    PeerLost,
+    StepAborted,
+    StepFailed,
+    StepRejected,
+    StepReport,
+    StepTimedOut,
+)
+from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
+from colocate_runtime.colocated.views import dtype_name, entry_view
+from colocate_runtime.colocated.waits import Deadline
+from colocate_runtime.shards import TensorShard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WriterSettings:
+    job: str
+    namespace: str
+    replica: int = 0
+    rank: int = 0
+    bucket_bytes: int = 1024 << 20
+    step_timeout_s: float = 300.0
+    heartbeat_ttl_s: float = 10.0
+    checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
+    keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
+
+    @staticmethod
+    def from_config(cfg: ColocateConfig, *, rank: int = 0, checksum_entries: int = 8) -> WriterSettings:
+        return WriterSettings(
+            job=cfg.job,
+            namespace=cfg.namespace,
+            replica=cfg.replica_index,
+            rank=rank,
+            bucket_bytes=cfg.bucket_bytes,
+            step_timeout_s=cfg.step_timeout_s,
+            heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            checksum_entries=checksum_entries if cfg.verify == "SampledChecksum" else 0,
+        )
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A published step whose buckets the writer still owns."""
+
+    gen: int
+    step: int
+    weight_version: str
+    buckets: list[LocalBucket]
+    payload_bytes: int
+    handles: int
+    run_id: str
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    reader_watch: PeerWatch | None = None  # set when parked: is the reader that may map them alive?
+
+
+class WeightWriter:
+    def __init__(self, store: MetaStore, exporter: BucketExporter, settings: WriterSettings) -> None:
+        self.store = store
+        self.exporter = exporter
+        self.settings = settings
+        self.uuid = exporter.device_uuid()
+        self.gen: int | None = None
+        self.last_step: int | None = None
+        self._parked: list[PendingStep] = []
+        self._finished_steps: deque[int] = deque()
+        self._state = "idle"
+        self._heartbeat: Heartbeat | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Begin a trainer incarnation (a new `gen`) and start heartbeating. Returns the generation."""
+        self.gen = self.store.start_incarnation()
+        gen = self.gen
+        self._heartbeat = Heartbeat(
+            self.store,
+            "trainer",
+            self.uuid,
+            self.settings.heartbeat_ttl_s,
+            info=lambda: {
+                "gen": gen,
+                "step": self.last_step,
+                "state": self._state,
+                "rank": self.settings.rank,
+            },
+            on_beat=lambda: self.store.restore_gen(gen),
+        ).start()
+        log.info("colocated writer on %s started generation %d", self.uuid, gen)
+        return gen
+
+    def finish(self, *, ok: bool = True, error: str = "") -> None:
+        """The last record of a training run (`final=true`): the operator's proof that training succeeded."""
+        self._emit(
+            StepEvent(
+                role="trainer",
+                gen=self._gen(),
+                step=self.last_step or 0,
+                phase="final",
+                result="ok" if ok else "error",
+                final=True,
+                error=error,
+                **self._who(),
+            )
+        )
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._parked:
+            log.warning(
+                "closing with %d parked step(s) whose reader never confirmed its close; their memory is "
+                "released with this process",
+                len(self._parked),
+            )
+
+    @property
+    def parked_steps(self) -> list[int]:
+        return [p.step for p in self._parked]
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    def update(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        shards: Mapping[str, TensorShard] | None = None,
+        weight_version: str | None = None,
+    ) -> StepReport:
+        """Publish one step and wait until its buckets are freed (or raise a StepFailed)."""
+        return self.wait_and_free(self.publish(step, tensors, shards=shards, weight_version=weight_version))
+
+    def publish(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        shards: Mapping[str, TensorShard] | None = None,
+        weight_version: str | None = None,
+    ) -> PendingStep:
+        gen = self._gen()
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"step {step} is not after the last published step {self.last_step}")
+        self._reap_parked()
+        t0 = time.perf_counter()
+        shards = shards or {}
+        specs = []
+        for name, t in tensors.items():
+            shard = shards.get(name)
+            specs.append(EntrySpec(name, dtype_name(t.dtype), tuple(t.shape), shard))
+        plan = plan_buckets(specs, self.settings.bucket_bytes)
+        tag = f"g{gen}-s{step}"
+        buckets = [self.exporter.allocate(b.index, b.nbytes, tag) for b in plan.buckets]
+        try:
+            for e in plan.entries:
+                flat = buckets[e.bucket].tensor
+                assert flat is not None
+                entry_view(flat, e).copy_(tensors[e.name])
+            sums = {}
+            if self.settings.checksum_entries > 0:
+                for name in checksum.sample_names(
+                    [e.name for e in plan.entries], step, self.settings.checksum_entries
+                ):
+                    sums[name] = checksum.tensor_checksum(tensors[name])
+            for b in buckets:
+                self.exporter.export(b)
+            self.exporter.synchronize()
+            t_pack = time.perf_counter()
+            version = weight_version if weight_version is not None else str(step)
+            manifest = Manifest(
+                job=self.settings.job,
+                namespace=self.settings.namespace,
+                gen=gen,
+                step=step,
+                gpu=self.uuid,
+                weight_version=version,
+                transport=self.exporter.kind,
+                producer=Producer(self.settings.rank, self.settings.replica, os.getpid(), host_id()),
+                buckets=tuple(
+                    BucketRecord(s.index, s.dtype, s.nbytes, b.descriptor or {})
+                    for s, b in zip(plan.buckets, buckets, strict=True)
+                ),
+                entries=plan.entries,
+                checksums=sums,
+            )
+            run_id = self.store.server_run_id()
+            self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest))
+        except BaseException:
+            # Nothing was announced (or the announcement failed): no reader can hold these buckets.
+            self.exporter.free(buckets)
+            raise
+        t_pub = time.perf_counter()
+        self.last_step = step
+        self._state = "published"
+        pending = PendingStep(
+            gen,
+            step,
+            version,
+            buckets,
+            plan.payload_bytes,
+            len(buckets),
+            run_id,
+            {"pack": t_pack - t0, "publish": t_pub - t_pack},
+        )
+        self._emit(self._event(pending, "published", seconds=t_pub - t0))
+        return pending
+
+    def wait_and_free(self, pending: PendingStep) -> StepReport:
+        gen, step = pending.gen, pending.step
+        deadline = Deadline(self.settings.step_timeout_s)
+        reader = PeerWatch(self.store, "reader", self.uuid, self.settings.heartbeat_ttl_s)
+        t0 = time.perf_counter()
+        unreachable: str | None = None
+        while True:
+            try:
+                ack = self.store.wait_ack(gen, step, self.uuid, deadline.slice())
+                unreachable = None
+                if ack is not None:
+                    pending.phase_seconds["wait_ack"] = time.perf_counter() - t0
+                    return self._on_ack(pending, ack, reader, deadline)
+                reason = self.store.abort_reason(gen, step)
+                if reason is not None:
+                    return self._give_up(
+                        pending, reader, StepAborted(f"step {step} aborted: {reason}", step=step)
+                    )
+                reader.check()
+                if self.store.server_run_id() != pending.run_id:
+                    self._check_restart(pending)
+            except MetaStoreUnavailable as err:
+                unreachable = str(err)
+                time.sleep(min(0.2, deadline.remaining()))
+            if reader.ever_seen and reader.dead() and unreachable is None:
+                self._free(pending)
+                raise self._failed(
+                    pending,
+                    PeerLost(
+                        f"reader on {self.uuid} stopped heartbeating during step {step}; buckets freed",
+                        step=step,
+                        freed=True,
+                    ),
+                )
+            if deadline.expired:
+                if unreachable is not None:
+                    self._park(pending)
+                    raise self._failed(
+                        pending,
+                        MetaStoreLost(
+                            f"step {step}: {unreachable} for the whole step timeout; buckets parked",
+                            step=step,
+                            freed=False,
+                        ),
+                    )
+                return self._give_up(
+                    pending,
+                    reader,
+                    StepTimedOut(
+                        f"step {step}: no ACK from the reader on {self.uuid} "
+                        f"within {self.settings.step_timeout_s}s",
+                        step=step,
+                    ),
+                )
+
+    # --- outcomes -----------------------------------------------------------------------------------------
+
+    def _on_ack(self, pending: PendingStep, ack: Ack, reader: PeerWatch, deadline: Deadline) -> StepReport:
+        step = pending.step
+        if not ack.ipc_closed:
+            # The reader could not verify its close: only its death makes the memory safe to reuse.
+            self._wait_for_death(pending, reader, deadline)
+            raise self._failed(
+                pending,
+                StepRejected(
+                    f"step {step}: reader failed without closing its mappings ({ack.error}); "
+                    f"buckets {'freed after its death' if not pending.buckets else 'parked'}",
+                    step=step,
+                    freed=not pending.buckets,
+                ),
+            )
+        t0 = time.perf_counter()
+        self._free(pending)
+        self._reap_parked(acked_step=step)
+        pending.phase_seconds["free"] = time.perf_counter() - t0
+        if ack.status != "ok" or ack.checksum_mismatches:
+            detail = ack.error or f"checksum mismatch in {list(ack.checksum_mismatches)}"
+            kind = StepAborted if ack.result == StepAborted.result else StepRejected
+            raise self._failed(
+                pending, kind(f"step {step} failed in the reader: {detail}", step=step, freed=True)
+            )
+        self._state = "idle"
+        report = StepReport(
+            pending.gen,
+            step,
+            pending.weight_version,
+            pending.payload_bytes,
+            pending.handles,
+            dict(pending.phase_seconds),
+            ack.gc_fallback,
+        )
+        self._emit(
+            self._event(pending, "acked", seconds=pending.phase_seconds.get("wait_ack", 0.0)),
+            self._event(pending, "freed", seconds=pending.phase_seconds["free"]),
+            self._event(
+                pending, "finished", result="ok", seconds=report.seconds, phase_seconds=report.phase_seconds
+            ),
+        )
+        self._forget_old_steps(step)
+        return report
+
+    def _give_up(self, pending: PendingStep, reader: PeerWatch, err: StepFailed) -> StepReport:
+        """Abort or timeout: free at once if the reader never claimed the step, else wait for its close."""
+        step = pending.step
+        try:
+            self.store.abort(pending.gen, step, f"writer gave up: {type(err).__name__}", "trainer")
+            winner = self.store.claim(pending.gen, step, self.uuid, CLAIM_REVOKED)
+        except MetaStoreError:
+            winner = None
+        if winner == CLAIM_REVOKED:
+            self._free(pending)
+            err.freed = True
+            raise self._failed(pending, err)
+        # The reader holds (or may hold) a mapping; it checks the abort key and will ACK after closing.
+        grace = Deadline(2 * self.settings.heartbeat_ttl_s + 1.0)
+        while not grace.expired:
+            try:
+                ack = self.store.wait_ack(pending.gen, step, self.uuid, grace.slice())
+                if ack is not None and ack.ipc_closed:
+                    self._free(pending)
+                    self._reap_parked(acked_step=step)
+                    err.freed = True
+                    raise self._failed(pending, err)
+                reader.check()
+            except MetaStoreUnavailable:
+                time.sleep(min(0.2, grace.remaining()))
+            if reader.dead():
+                self._free(pending)
+                err.freed = True
+                raise self._failed(pending, err)
+        self._park(pending)
+        err.freed = False
+        raise self._failed(pending, err)
+
+    def _wait_for_death(self, pending: PendingStep, reader: PeerWatch, deadline: Deadline) -> None:
+        while not deadline.expired:
+            with contextlib.suppress(MetaStoreUnavailable):
+                reader.check()
+            if reader.dead():
+                self._free(pending)
+                return
+            time.sleep(deadline.slice(0.5))
+        self._park(pending)
+
+    def _check_restart(self, pending: PendingStep) -> None:
+        """Redis restarted: our gen goes back; if the step's manifest is gone, nobody can finish the step."""
+        self.store.restore_gen(pending.gen)
+        if not self.store.manifest_exists(pending.gen, pending.step, self.uuid):
+            self._park(pending)
+            raise self._failed(
+                pending,
+                MetaStoreLost(
+                    f"meta-store {self.store.address} restarted during step {pending.step} and lost its "
+                    "keys; "
+                    "buckets parked until the reader acknowledges a later step",
+                    step=pending.step,
+                    freed=False,
+                ),
+            )
+        pending.run_id = self.store.server_run_id()
+
+    # --- memory -------------------------------------------------------------------------------------------
+
+    def _free(self, pending: PendingStep) -> None:
+        if pending.buckets:
+            self.exporter.free(pending.buckets)
+            pending.buckets = []
+
+    def _park(self, pending: PendingStep) -> None:
+        if pending.buckets and pending not in self._parked:
+            pending.reader_watch = PeerWatch(self.store, "reader", self.uuid, self.settings.heartbeat_ttl_s)
+            self._parked.append(pending)
+            log.warning("step %d: buckets parked (reader may still map them)", pending.step)
+
+    def _reap_parked(self, acked_step: int | None = None) -> None:
+        """Free parked steps that became safe: ACKed late, superseded by a later ACK, or reader dead."""
+        still: list[PendingStep] = []
+        for p in self._parked:
+            safe = acked_step is not None and p.step < acked_step
+            if not safe:
+                try:
+                    ack = self.store.read_ack(p.gen, p.step, self.uuid)
+                    safe = ack is not None and ack.ipc_closed
+                    if not safe and p.reader_watch is not None:
+                        p.reader_watch.check()
+                        safe = p.reader_watch.dead()
+                except MetaStoreError:
+                    safe = False
+            if safe:
+                self._free(p)
+                log.info("step %d: parked buckets freed", p.step)
+            else:
+                still.append(p)
+        self._parked = still
+
+    def _forget_old_steps(self, step: int) -> None:
+        self._finished_steps.append(step)
+        old = []
+        while len(self._finished_steps) > self.settings.keep_steps:
+            old.append(self._finished_steps.popleft())
+        if old:
+            try:
+                self.store.delete_steps(self._gen(), old, self.uuid)
+            except MetaStoreError as err:
+                log.info("old step keys not deleted (they expire anyway): %s", err)
+
+    # --- events -------------------------------------------------------------------------------------------
+
+    def _gen(self) -> int:
+        if self.gen is None:
+            raise RuntimeError("WeightWriter.start() was not called")
+        return self.gen
+
+    def _who(self) -> dict:
+        return {"replica": self.settings.replica, "rank": self.settings.rank, "gpu": self.uuid}
+
+    def _event(
+        self,
+        pending: PendingStep,
+        phase: str,
+        *,
+        seconds: float = 0.0,
+        result: str = "",
+        phase_seconds: dict[str, float] | None = None,
+        error: str = "",
+    ) -> StepEvent:
+        return StepEvent(
+            role="trainer",
+            gen=pending.gen,
+            step=pending.step,
+            phase=phase,
+            result=result,
+            seconds=seconds,
+            phase_seconds=dict(phase_seconds or {}),
+            bytes=pending.payload_bytes,
+            handles=pending.handles,
+            weight_version=pending.weight_version,
+            error=error,
+            **self._who(),
+        )
+
+    def _failed(self, pending: PendingStep, err: StepFailed) -> StepFailed:
+        self._state = "failed"
+        log.warning("%s", err)
+        self._emit(
+            self._event(
+                pending,
+                "failed",
+                result=err.result,
+                error=str(err),
+                seconds=sum(pending.phase_seconds.values()),
+                phase_seconds=pending.phase_seconds,
+            )
+        )
+        return err
+
+    def _emit(self, *events: StepEvent) -> None:
+        try:
+            self.store.emit(*events)
+        except MetaStoreError as err:
+            log.warning("step event not recorded: %s", err)

@@ -1,0 +1,394 @@
+"""The colocated protocol end to end in one process: writer on the main thread, reader on a thread, shared
+memory buckets, a real Redis. Fault cases that need no process kill live here; kills are in
+test_colocated_processes.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.outcome import (
+    CoverageError,
+    MetaStoreLost,
+    StepAborted,
+    StepFailed,
+    StepRejected,
+    StepTimedOut,
+)
+from colocate_runtime.colocated.reader import ExchangeRequest, ReaderSettings, WeightReader
+from colocate_runtime.colocated.wiring import connect, importer_for, new_reader, new_writer
+from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
+from colocate_runtime.shards import Box, TensorShard
+from tests.runtime import colocated_model as model
+from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def cfg(redis_server: RedisServer, tmp_path: Path) -> ColocateConfig:  # noqa: F811
+    env = {
+        "COLOCATE_JOB_NAME": "rl-job",
+        "COLOCATE_NAMESPACE": "team-a",
+        **redis_server.env(),
+        "COLOCATE_TRANSPORT": "SharedMemory",
+        "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
+        "COLOCATE_STEP_TIMEOUT_SECONDS": "5",
+        "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
+        "COLOCATE_BUCKET_MB": "1",
+    }
+    return ColocateConfig.from_env(env)
+
+
+class ReaderThread:
+    """Runs `reader.apply_next` in a loop on a thread; records reports and errors."""
+
+    def __init__(self, reader: WeightReader, timeout_s: float = 1.0) -> None:
+        self.reader = reader
+        self.timeout_s = timeout_s
+        self.reports: list = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.reports.append(self.reader.apply_next(timeout_s=self.timeout_s))
+            except StepTimedOut:
+                continue
+            except BaseException as err:
+                self.errors.append(err)
+
+    def __enter__(self) -> ReaderThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 3)
+        self.reader.close()
+
+
+def shm_files(cfg: ColocateConfig) -> list[str]:
+    return sorted(p.name for p in Path(cfg.shm_dir).iterdir()) if Path(cfg.shm_dir).exists() else []
+
+
+@pytest.fixture
+def writer(cfg: ColocateConfig) -> Iterator[WeightWriter]:
+    w = new_writer(cfg)
+    yield w
+    w.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_several_steps_bitwise_equal_events_and_cleanup(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    targets = model.targets()
+    with ReaderThread(new_reader(cfg, targets)) as rt:
+        for step in (1, 2, 3, 4):
+            report = writer.update(step, model.weights(step), weight_version=f"v{step}")
+            assert model.all_equal(model.weights(step), targets) == []
+            assert report.handles == 2  # bf16 + fp32: one bucket per dtype
+            assert shm_files(cfg) == []  # freed after the ACK
+        wait_for(lambda: len(rt.reports) == 4)
+        assert rt.errors == []
+        assert [r.weight_version for r in rt.reports] == ["v1", "v2", "v3", "v4"]
+        assert not any(r.gc_fallback for r in rt.reports)
+        assert rt.reader.history.layout_changed() is False
+    writer.finish(ok=True)
+    store = writer.store
+    events = [e for _, e in store.read_events()]
+    trainer_done = [
+        e.step for e in events if e.role == "trainer" and e.phase == "finished" and e.result == "ok"
+    ]
+    reader_done = [e.step for e in events if e.role == "reader" and e.phase == "finished"]
+    assert trainer_done == [1, 2, 3, 4] and reader_done == [1, 2, 3, 4]
+    phases = [e.phase for e in events if e.role == "reader" and e.step == 2]
+    assert phases == ["opened", "copied", "closed", "acked", "finished"]
+    assert events[-1].phase == "final" and events[-1].final
+    # Old steps' keys are deleted (keep_steps=2), the rest expire.
+    gen = writer.gen
+    assert (
+        store.read_manifest(gen, 1, writer.uuid) is None and store.read_manifest(gen, 2, writer.uuid) is None
+    )
+    assert store.read_manifest(gen, 4, writer.uuid) is not None
+
+
+def test_zero_updates_and_single_update_history(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    reader = new_reader(cfg, model.targets())
+    try:
+        assert len(reader.history) == 0 and reader.history.mean_seconds() is None
+        with pytest.raises(StepTimedOut):
+            reader.apply_next(timeout_s=0.3)  # zero updates: a clean timeout
+        writer.publish(1, model.weights(1))
+        reader.apply_next(timeout_s=5)
+        assert len(reader.history) == 1 and reader.history.layout_changed() is None
+    finally:
+        reader.close()
+
+
+def test_sampled_checksums_accept_good_copies_and_reject_corruption(cfg: ColocateConfig) -> None:
+    store = connect(cfg)
+    writer = WeightWriter(store, _exporter(cfg), dataclasses.replace(_wsettings(cfg), checksum_entries=6))
+    writer.start()
+    targets = model.targets()
+    reader = WeightReader(store, importer_for(cfg), targets, ReaderSettings.from_config(cfg))
+    try:
+        pending = writer.publish(1, model.weights(1))
+        reader.apply_next(timeout_s=5)
+        assert writer.wait_and_free(pending).step == 1
+
+        reader.importer = _Corrupting(importer_for(cfg))
+        pending = writer.publish(2, model.weights(2))
+        with pytest.raises(StepFailed, match="checksum"):
+            reader.apply_next(timeout_s=5)
+        with pytest.raises(StepRejected, match="checksum") as err:
+            writer.wait_and_free(pending)
+        assert err.value.freed and shm_files(cfg) == []
+    finally:
+        writer.close()
+
+
+def test_abort_without_reader_frees_at_once_and_reader_skips_the_step(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    pending = writer.publish(1, model.weights(1))
+    writer.store.abort(writer.gen, 1, "operator suspended the job", "operator")
+    t0 = time.monotonic()
+    with pytest.raises(StepAborted, match="operator suspended") as err:
+        writer.wait_and_free(pending)
+    assert err.value.freed and time.monotonic() - t0 < 2 and shm_files(cfg) == []
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    try:
+        with pytest.raises(StepTimedOut):
+            reader.apply_next(timeout_s=0.5)  # the revoked step is skipped, not opened
+    finally:
+        reader.close()
+
+
+def test_abort_seen_by_the_reader_is_acknowledged_closed(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    reader = new_reader(cfg, model.targets())
+    try:
+        pending = writer.publish(1, model.weights(1))
+        writer.store.abort(writer.gen, 1, "stop", "operator")
+        with pytest.raises(StepAborted):
+            reader.apply_next(timeout_s=5)
+        with pytest.raises(StepAborted) as err:
+            writer.wait_and_free(pending)
+        assert err.value.freed and shm_files(cfg) == []
+    finally:
+        reader.close()
+
+
+def test_step_timeout_without_reader_frees(cfg: ColocateConfig) -> None:
+    cfg = dataclasses.replace(cfg, step_timeout_s=1.0)
+    writer = new_writer(cfg)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StepTimedOut) as err:
+            writer.update(1, model.weights(1))
+        assert err.value.freed and 0.9 < time.monotonic() - t0 < 3 and shm_files(cfg) == []
+    finally:
+        writer.close()
+
+
+def test_timeout_after_the_reader_opened_parks_buckets_until_it_acks(cfg: ColocateConfig) -> None:
+    cfg = dataclasses.replace(cfg, step_timeout_s=1.0)
+    writer = new_writer(cfg)
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    gate = threading.Event()
+    reader.importer = _Gated(importer_for(cfg), gate)
+    try:
+        with ReaderThread(reader) as rt:
+            with pytest.raises(StepTimedOut) as err:
+                writer.update(1, model.weights(1))
+            assert err.value.freed is False and writer.parked_steps == [1]
+            assert shm_files(cfg) != []  # the reader still maps them: nothing was freed
+            gate.set()
+            wait_for(lambda: len(rt.reports) == 1)
+            assert model.all_equal(model.weights(1), targets) == []
+            reader.importer = importer_for(cfg)
+            writer.update(2, model.weights(2))
+            assert writer.parked_steps == [] and shm_files(cfg) == []
+            assert model.all_equal(model.weights(2), targets) == []
+    finally:
+        writer.close()
+
+
+def test_keys_of_a_stale_incarnation_are_ignored(cfg: ColocateConfig) -> None:
+    old = new_writer(cfg)
+    stale = old.publish(1, model.weights(99))  # the old trainer published and died before anyone read it
+    old._heartbeat.stop()
+    new = new_writer(cfg)
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    try:
+        assert new.gen > old.gen
+        pending = new.publish(1, model.weights(1))
+        report = reader.apply_next(timeout_s=5)
+        assert report.gen == new.gen and report.step == 1
+        assert model.all_equal(model.weights(1), targets) == []
+        new.wait_and_free(pending)
+    finally:
+        reader.close()
+        new.close()
+        old.exporter.free(stale.buckets)
+
+
+def test_dtype_mismatch_is_rejected_with_closed_mappings(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    targets = model.targets()
+    targets["model.layers.0.mlp.gate.weight"] = targets["model.layers.0.mlp.gate.weight"].to(torch.bfloat16)
+    reader = new_reader(cfg, targets)
+    try:
+        pending = writer.publish(1, model.weights(1))
+        with pytest.raises(StepFailed, match="receiver's dtype"):
+            reader.apply_next(timeout_s=5)
+        with pytest.raises(StepRejected, match="receiver's dtype") as err:
+            writer.wait_and_free(pending)
+        assert err.value.freed and shm_files(cfg) == []
+    finally:
+        reader.close()
+
+
+def test_sharded_target_copies_its_overlap_and_exchange_fills_the_rest(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    full = torch.randn(64, 32).to(torch.bfloat16)
+    train_shard = TensorShard(
+        "w", (64, 32), "bfloat16", Box((0, 0), (32, 32))
+    )  # trainer rank holds rows 0:32
+    infer_shard = TensorShard("w", (64, 32), "bfloat16", Box((16, 0), (32, 32)))  # reader needs rows 16:48
+    target = torch.zeros(32, 32, dtype=torch.bfloat16)
+    asked: list[Box] = []
+
+    def exchange(request: ExchangeRequest) -> set[str]:
+        (box,) = request.missing_boxes["w"]
+        asked.append(box)
+        assert box == Box((32, 0), (16, 32))  # exactly the rows another GPU owns
+        request.missing["w"][16:32].copy_(full[32:48])  # stands in for runtime/p2p's receive
+        return {"w"}
+
+    reader = new_reader(cfg, {"w": target}, target_shards={"w": infer_shard}, exchange=exchange)
+    try:
+        pending = writer.publish(1, {"w": full[0:32].clone()}, shards={"w": train_shard})
+        reader.apply_next(timeout_s=5)
+        writer.wait_and_free(pending)
+        assert torch.equal(target, full[16:48]) and len(asked) == 1
+    finally:
+        reader.close()
+
+    target.zero_()
+    lonely = new_reader(cfg, {"w": target}, target_shards={"w": infer_shard})
+    try:
+        pending = writer.publish(2, {"w": full[0:32].clone()}, shards={"w": train_shard})
+        with pytest.raises(CoverageError, match="not filled"):
+            lonely.apply_next(timeout_s=5)
+        with pytest.raises(StepRejected):
+            writer.wait_and_free(pending)
+    finally:
+        lonely.close()
+
+
+def test_an_exchange_that_keeps_a_view_is_caught_and_nothing_is_freed(cfg: ColocateConfig) -> None:
+    cfg = dataclasses.replace(cfg, step_timeout_s=1.0)
+    writer = new_writer(cfg)
+    kept: list[ExchangeRequest] = []
+
+    def leaky_exchange(request: ExchangeRequest) -> set[str]:
+        kept.append(request)  # breaks the seam's contract: a view of the mapping outlives the call
+        request.missing["extra"].fill_(1)
+        return {"extra"}
+
+    targets = {**model.targets(), "extra": torch.zeros(4)}
+    reader = new_reader(cfg, targets, exchange=leaky_exchange)
+    try:
+        pending = writer.publish(1, model.weights(1))
+        with pytest.raises(Exception, match="still referenced"):
+            reader.apply_next(timeout_s=5)
+        with pytest.raises(StepRejected, match="without closing") as err:
+            writer.wait_and_free(pending)
+        assert err.value.freed is False and writer.parked_steps == [1]  # never freed under a live mapping
+        kept.clear()
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_redis_restart_mid_step_is_a_clear_error_and_the_next_step_succeeds(
+    cfg: ColocateConfig,
+    writer: WeightWriter,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    pending = writer.publish(1, model.weights(1))  # no reader yet: the step is in flight
+    redis_server.restart()
+    with pytest.raises(MetaStoreLost, match="restarted") as err:
+        writer.wait_and_free(pending)
+    assert err.value.freed is False and writer.parked_steps == [1]
+    targets = model.targets()
+    with ReaderThread(new_reader(cfg, targets)) as rt:
+        report = writer.update(2, model.weights(2))
+        assert report.step == 2
+        assert model.all_equal(model.weights(2), targets) == []
+        assert writer.parked_steps == [] and shm_files(cfg) == []  # step 1 freed by the later ACK
+        assert rt.errors == []
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def _exporter(cfg: ColocateConfig):
+    from colocate_runtime.colocated.wiring import exporter_for
+
+    return exporter_for(cfg)
+
+
+def _wsettings(cfg: ColocateConfig) -> WriterSettings:
+    return WriterSettings.from_config(cfg)
+
+
+class _Wrapped:
+    def __init__(self, inner) -> None:
+        self.inner, self.kind = inner, inner.kind
+
+    def device_uuid(self) -> str:
+        return self.inner.device_uuid()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
+class _Corrupting(_Wrapped):
+    """Flips bytes in every mapped bucket: what a broken transport would deliver."""
+
+    def open(self, descriptor, nbytes):
+        flat = self.inner.open(descriptor, nbytes)
+        flat[: min(nbytes, 4096)] ^= 0x5A
+        return flat
+
+
+class _Gated(_Wrapped):
+    """Holds the first mapping open until the test releases the gate."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    def open(self, descriptor, nbytes):
+        flat = self.inner.open(descriptor, nbytes)
+        assert self.gate.wait(timeout=30)
+        return flat
