@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from colocate_operator.conditions import Condition
+from colocate_operator.constants import Cond
 from colocate_runtime.colocated.events import StepEvent
 
 # What `kubectl get` shows while a step moves through the runtime (status.weightSync.currentPhase).
@@ -157,3 +159,52 @@ class StepTracker:
 def _version_key(version: str) -> tuple[int, int, str]:
     """Numeric versions compare as numbers, others as text."""
     return (1, int(version), "") if version.isdigit() else (0, 0, version)
+
+
+def step_conditions(tracker: StepTracker, stalled: bool, deadline_seconds: float) -> list[Condition]:
+    """WeightSyncHealthy and Progressing: the two conditions the step consumer owns."""
+    updates: list[Condition] = []
+    if tracker.last_failure is not None:
+        failure = tracker.last_failure
+        updates.append(
+            Condition(
+                Cond.WEIGHT_SYNC_HEALTHY,
+                False,
+                "StepFailed",
+                f"step {failure.step} failed: {failure.message}",
+            )
+        )
+    elif tracker.last_completed_step is not None:
+        updates.append(
+            Condition(
+                Cond.WEIGHT_SYNC_HEALTHY,
+                True,
+                "StepSucceeded",
+                f"step {tracker.last_completed_step} synced in {tracker.last_sync_seconds:.3f} s",
+            )
+        )
+    if tracker.final_result is not None:
+        updates.append(
+            Condition(
+                Cond.PROGRESSING,
+                False,
+                "TrainingFinished",
+                f"the trainer's final record says {tracker.final_result}",
+            )
+        )
+    elif stalled:
+        updates.append(
+            Condition(
+                Cond.PROGRESSING,
+                False,
+                "StepStalled",
+                f"no weight-update step completed within progressDeadlineSeconds ({deadline_seconds:.0f} s)",
+            )
+        )
+    elif tracker.last_completed_step is not None:
+        updates.append(
+            Condition(
+                Cond.PROGRESSING, True, "StepCompleted", f"step {tracker.last_completed_step} completed"
+            )
+        )
+    return updates

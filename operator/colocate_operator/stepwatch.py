@@ -1,0 +1,237 @@
+"""One daemon per ColocateJob that follows the job's step-event stream in its Redis meta-store and turns it
+into status (weightSync, recentSteps, WeightSyncHealthy, Progressing), metrics and throttled Events.
+
+Async all the way: redis.asyncio for the stream, the blocking Kubernetes client only through
+asyncio.to_thread. Status writes are coalesced: one per step boundary, plus a heartbeat when only the
+current phase moved. On start the stream is replayed from its beginning, so a restarted operator rebuilds
+the same status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from colocate_operator import conditions, kube, metrics
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import GROUP, PLURAL, VERSION
+from colocate_operator.kube_events import post_event
+from colocate_operator.metastore import endpoint
+from colocate_operator.spec import ColocateJob
+from colocate_operator.steps import StepTracker, step_conditions
+from colocate_runtime.colocated.events import EventError, decode, stream_key
+
+log = logging.getLogger("colocate_operator.steps")
+
+READ_BLOCK_MS = 1000  # wake at least once a second: stop requests and stall checks are never late
+READ_COUNT = 1000
+HEARTBEAT_SECONDS = 15.0  # a phase-only change waits at most this long to reach status
+SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
+MAX_BACKOFF = 30.0
+
+
+@dataclass
+class _Writes:
+    last_write: float = 0.0
+    written_phase: str = ""
+    written_stalled: bool = False
+    last_success_event: float = 0.0
+    last_posted: tuple[int, str] | None = None  # (step, result) of the last step Event
+
+
+def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) -> str:
+    secret = api.get(kube.SECRETS, namespace, name)
+    if secret is None or key not in (secret.get("data") or {}):
+        raise LookupError(f"Secret {namespace}/{name} has no key {key!r}")
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def write_status(
+    api: kube.Kube, namespace: str, name: str, tracker: StepTracker, stalled: bool, deadline: float
+) -> bool:
+    """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest)."""
+    for _ in range(5):
+        body = api.get(kube.COLOCATE_JOBS, namespace, name)
+        if body is None:
+            return False
+        current = (body.get("status") or {}).get("conditions") or []
+        merged = conditions.merge(
+            current,
+            step_conditions(tracker, stalled, deadline),
+            datetime.now(UTC),
+            int(body["metadata"].get("generation") or 0),
+        )
+        patch = {
+            "metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+            "status": {
+                "weightSync": tracker.weight_sync_status(),
+                "recentSteps": tracker.recent_steps_status(),
+                "conditions": merged,
+            },
+        }
+        try:
+            api.patch(kube.COLOCATE_JOBS, namespace, name, patch, subresource="status")
+        except kube.KubeError as e:
+            if e.status == 409:
+                continue  # the reconciler wrote in between: read again
+            if e.status == 404:
+                return False
+            raise
+        metrics.STATUS_WRITES.labels("steps").inc()
+        return True
+    return False
+
+
+async def follow(
+    namespace: str, name: str, api: kube.Kube, config: OperatorConfig, stopped: kopf.DaemonStopped
+) -> None:
+    """Follow one job's stream until the daemon is stopped (job deleted or operator exiting)."""
+    body = await asyncio.to_thread(api.get, kube.COLOCATE_JOBS, namespace, name)
+    if body is None:
+        return
+    job = ColocateJob.from_body(body)
+    store = endpoint(job, config)
+    sync = job.spec.weight_sync
+    tracker = StepTracker(expected_gpus=job.spec.world_size, history_limit=sync.history_limit)
+    tracker.last_progress_ts = time.time()  # the progress deadline counts from when we start watching
+    key = stream_key(namespace, name)
+    writes = _Writes()
+    backoff = 1.0
+    client: aioredis.Redis | None = None
+    last_id = "0-0"
+    try:
+        while not stopped:
+            try:
+                if client is None:
+                    password = await asyncio.to_thread(
+                        password_from_secret, api, namespace, store.secret_name, store.secret_key
+                    )
+                    host, _, port = store.address.rpartition(":")
+                    client = aioredis.Redis(
+                        host=host,
+                        port=int(port),
+                        password=password,
+                        socket_timeout=READ_BLOCK_MS / 1000 + 5,
+                        socket_connect_timeout=5,
+                    )
+                reply = await client.xread({key: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
+                backoff = 1.0
+            except (RedisError, OSError, LookupError, ValueError, kube.KubeError) as e:
+                log.warning(
+                    "step stream of %s/%s unavailable, retrying in %.0f s: %s",
+                    namespace,
+                    name,
+                    backoff,
+                    type(e).__name__ if isinstance(e, RedisError) else e,
+                )
+                if client is not None:
+                    await client.aclose()
+                    client = None
+                await stopped.wait(backoff)
+                backoff = min(MAX_BACKOFF, backoff * 2)
+                continue
+            boundary = False
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                    try:
+                        event = decode(fields)
+                    except EventError as e:
+                        log.warning("skipping a malformed step event of %s/%s: %s", namespace, name, e)
+                        continue
+                    before = (tracker.last_completed_step, len(tracker.recent))
+                    if tracker.observe(event):
+                        boundary = True
+                        _record_metrics(namespace, name, tracker, before)
+            await _maybe_write(api, body, tracker, writes, boundary, sync.progress_deadline_seconds)
+    finally:
+        if client is not None:
+            await client.aclose()
+
+
+def _record_metrics(namespace: str, name: str, tracker: StepTracker, before: tuple[int | None, int]) -> None:
+    if tracker.last_completed_step != before[0] and tracker.last_completed_step is not None:
+        metrics.LAST_COMPLETED_STEP.labels(namespace, name).set(tracker.last_completed_step)
+        metrics.SYNC_SECONDS.labels(namespace, name).observe(tracker.last_sync_seconds)
+    elif tracker.last_failure is not None and len(tracker.recent) != before[1]:
+        metrics.FAILED_STEPS.labels(namespace, name).inc()
+
+
+async def _maybe_write(
+    api: kube.Kube,
+    body: dict[str, Any],
+    tracker: StepTracker,
+    writes: _Writes,
+    boundary: bool,
+    deadline: float,
+) -> None:
+    now = time.time()
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    stalled = tracker.stalled(now, deadline)
+    heartbeat_due = (
+        tracker.current_phase != writes.written_phase and now - writes.last_write >= HEARTBEAT_SECONDS
+    )
+    if not (boundary or heartbeat_due or stalled != writes.written_stalled):
+        return
+    if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline):
+        return
+    newly_stalled = stalled and not writes.written_stalled
+    writes.last_write, writes.written_phase, writes.written_stalled = now, tracker.current_phase, stalled
+    await asyncio.to_thread(_post_step_events, api, body, tracker, writes, newly_stalled, now)
+
+
+def _post_step_events(
+    api: kube.Kube,
+    body: dict[str, Any],
+    tracker: StepTracker,
+    writes: _Writes,
+    newly_stalled: bool,
+    now: float,
+) -> None:
+    """Events at step boundaries, throttled: one per failed step, successes at most once a minute."""
+    if newly_stalled:
+        post_event(
+            api, body, "Warning", "StepStalled", "no weight-update step within progressDeadlineSeconds"
+        )
+    if not tracker.recent:
+        return
+    newest = tracker.recent[-1]
+    posted = (newest.step, newest.result)
+    if posted == writes.last_posted:
+        return
+    if newest.result == "Failed":
+        post_event(api, body, "Warning", "StepFailed", f"step {newest.step}: {newest.message}")
+    elif now - writes.last_success_event >= SUCCESS_EVENT_INTERVAL:
+        post_event(
+            api,
+            body,
+            "Normal",
+            "StepCompleted",
+            f"step {newest.step} synced {newest.bytes} bytes in {newest.sync_seconds:.3f} s",
+        )
+        writes.last_success_event = now
+    else:
+        return
+    writes.last_posted = posted
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """One daemon per job, sharing the reconciler's Kubernetes client (memo.reconciler.api)."""
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, id="steps", cancellation_timeout=10, registry=registry)
+    async def follow_steps(
+        name: str, namespace: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+    ) -> None:
+        try:
+            await follow(namespace, name, memo.reconciler.api, config, stopped)
+        finally:
+            metrics.forget_job(namespace, name)
