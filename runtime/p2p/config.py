@@ -1,0 +1,70 @@
+"""Executor settings, read once at the edge (environment or caller) into a frozen, validated object."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from colocate_runtime.p2p.chunks import ALIGN
+
+ENV_BUDGET_MB = "COLOCATE_P2P_BUDGET_MB"
+ENV_PIPELINE_DEPTH = "COLOCATE_P2P_PIPELINE_DEPTH"
+ENV_TIMEOUT_S = "COLOCATE_P2P_TIMEOUT_S"
+ENV_TRACE = "COLOCATE_P2P_TRACE"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    """How the executor may use memory and time.
+
+    budget_bytes: bound on the staging one rank holds at once (packed send and receive buffers of all peers,
+        in the receiver's dtype). With `pipeline_depth` chunks in flight, each chunk gets budget / depth.
+    pipeline_depth: chunks in flight; 2 lets packing of the next chunk overlap the wire of the current one.
+    timeout_s: longest wait for one peer batch to drain before the run fails naming that peer.
+    trace: record (and log at INFO) when each peer batch is enqueued and drained.
+    """
+
+    budget_bytes: int = 1 << 30
+    pipeline_depth: int = 2
+    timeout_s: float = 120.0
+    trace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be at least 1, got {self.pipeline_depth}")
+        if self.budget_bytes < ALIGN * self.pipeline_depth:
+            raise ValueError(
+                f"budget_bytes {self.budget_bytes} leaves less than {ALIGN} B per chunk at depth "
+                f"{self.pipeline_depth}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def chunk_capacity(self) -> int:
+        return self.budget_bytes // self.pipeline_depth
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> ExecutorConfig:
+        """Defaults, then the environment, then explicit overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        try:
+            if env.get(ENV_BUDGET_MB):
+                values["budget_bytes"] = int(float(env[ENV_BUDGET_MB]) * (1 << 20))
+            if env.get(ENV_PIPELINE_DEPTH):
+                values["pipeline_depth"] = int(env[ENV_PIPELINE_DEPTH])
+            if env.get(ENV_TIMEOUT_S):
+                values["timeout_s"] = float(env[ENV_TIMEOUT_S])
+        except ValueError as exc:
+            raise ValueError(f"bad p2p setting in the environment: {exc}") from None
+        trace = env.get(ENV_TRACE, "").strip().lower()
+        if trace not in _TRUE | _FALSE:
+            raise ValueError(f"{ENV_TRACE}={env[ENV_TRACE]!r}: expected one of {sorted(_TRUE | _FALSE)}")
+        values["trace"] = trace in _TRUE
+        values.update(overrides)
+        return ExecutorConfig(**values)  # type: ignore[arg-type]
