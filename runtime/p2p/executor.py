@@ -1,0 +1,473 @@
+"""Runs a plan over torch.distributed: chunked, packed per peer, peers met in the circle order.
+
+One process group, one rank per device. A rank may send, receive or both (colocated trainer and inference
+shards on the same GPU), so disjoint sender and receiver sets are just the special case where some ranks hold
+nothing on one side. Per chunk and per peer the slices travel in one contiguous byte buffer, cast to the
+receiver's dtype by the sender (byte counts always match). Every rank walks every chunk and every round in
+the same order, empty ones included, so no rank leaves while a peer still waits.
+
+Everything that can fail locally (plan, tensor shapes, dtypes) is checked before the first byte moves, and
+the outcome is agreed with one all-reduce, so a bad rank makes every rank raise instead of leaving its peers
+waiting. Waits poll with a deadline: a stuck peer becomes a `PeerTimeoutError` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from colocate_runtime.p2p.chunks import (
+    ChunkPlan,
+    PeerBatch,
+    RankSchedule,
+    aligned,
+    assign_chunks,
+    rank_schedule,
+)
+from colocate_runtime.p2p.config import ExecutorConfig
+from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError, PlanMismatchError
+from colocate_runtime.p2p.layout import Layout
+from colocate_runtime.p2p.plan import Plan, PlanError, Transfer, build_plan
+from colocate_runtime.p2p.staging import Arena, as_bytes, box_view, torch_dtype, typed_view
+from colocate_runtime.shards import ShardError
+
+log = logging.getLogger("colocate_runtime.p2p")
+
+# Poll interval bounds while waiting for a batch: short enough not to idle the link between chunks.
+_POLL_MIN_S = 2e-5
+_POLL_MAX_S = 2e-4
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    chunk: int
+    round: int
+    peer: int
+    event: str  # "enqueued" or "drained"
+    send_bytes: int
+    recv_bytes: int
+    seconds: float  # since the run started
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    rank: int
+    n_chunks: int
+    batches: int
+    bytes_sent: int  # payload to other ranks, in the receivers' dtypes (alignment padding not counted)
+    bytes_received: int
+    bytes_local: int  # copied between this rank's own source and target shards
+    staging_bytes: int  # the arena: the most staging this rank held at any time
+    seconds: float
+    trace: tuple[TraceEvent, ...] = ()
+
+
+@dataclass(slots=True)
+class _Side:
+    """One direction of a peer batch bound to local tensors: either one dense tensor moved in place or
+    slices packed into (sender) or unpacked from (receiver) a staging buffer."""
+
+    nbytes: int
+    direct: torch.Tensor | None = None
+    items: list[tuple[torch.Tensor, int, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def staged(self) -> int:
+        return 0 if self.direct is not None else self.nbytes
+
+
+@dataclass(slots=True)
+class _BoundBatch:
+    batch: PeerBatch
+    send: _Side
+    recv: _Side
+
+
+@dataclass(slots=True)
+class _BoundChunk:
+    index: int
+    batches: list[_BoundBatch]
+
+    @property
+    def staging(self) -> int:
+        return sum(aligned(b.send.staged) + aligned(b.recv.staged) for b in self.batches)
+
+
+@dataclass(slots=True)
+class _Posted:
+    bound: _BoundBatch
+    works: list
+    recv_buffer: torch.Tensor | None
+
+
+class P2PExchange:
+    """A reshard between two layouts over one process group, set up once and run every weight sync."""
+
+    def __init__(
+        self,
+        *,
+        senders: Layout,
+        receivers: Layout,
+        plan: Plan,
+        chunk_plan: ChunkPlan,
+        schedule: RankSchedule,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        config: ExecutorConfig,
+    ) -> None:
+        self.senders = senders
+        self.receivers = receivers
+        self.plan = plan
+        self.chunk_plan = chunk_plan
+        self.schedule = schedule
+        self.group = group
+        self.device = device
+        self.config = config
+        self.rank = schedule.rank
+        self.world = schedule.world
+        self._shards = {"source": senders.by_name(), "target": receivers.by_name()}
+        self._polls = dist.get_backend(group) == "nccl"
+
+    @classmethod
+    def create(
+        cls,
+        senders: Layout,
+        receivers: Layout,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        config: ExecutorConfig | None = None,
+    ) -> P2PExchange:
+        """Collective: every rank of `group` calls it with the same layouts. Builds the plan, checks that all
+        ranks built the same one (by hash) and agrees on the chunk budget (the smallest configured)."""
+        config = config or ExecutorConfig()
+        device = device or default_device(group)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        error: Exception | None = None
+        digest = 0
+        try:
+            plan = build_plan(senders, receivers)
+            if plan.min_world_size > world:
+                raise PlanError(
+                    f"the layouts name rank {plan.min_world_size - 1} but the group has {world} ranks"
+                )
+            digest = int(plan.hash()[:15], 16)  # 60 bits: fits a non-negative int64
+        except ShardError as exc:
+            error = exc
+        # One MAX all-reduce: failure flags and digests in per-rank slots, and -capacity for a MIN.
+        votes = torch.zeros(2 * world + 1, dtype=torch.int64, device=device)
+        votes[rank] = int(error is not None)
+        votes[world + rank] = digest
+        votes[2 * world] = -config.chunk_capacity
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+        flags, digests, capacity = votes[:world].tolist(), votes[world : 2 * world].tolist(), -int(votes[-1])
+        if error is not None:
+            raise error
+        failed = [r for r, f in enumerate(flags) if f]
+        if failed:
+            raise P2PError(f"rank {rank}: the plan could not be built on rank(s) {failed}; nothing was sent")
+        if len(set(digests)) > 1:
+            by_digest: dict[int, list[int]] = {}
+            for r, d in enumerate(digests):
+                by_digest.setdefault(d, []).append(r)
+            groups = "; ".join(f"{d:015x}: ranks {rs}" for d, rs in sorted(by_digest.items()))
+            raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
+        chunk_plan = assign_chunks(plan, capacity)
+        schedule = rank_schedule(chunk_plan, rank, world)
+        return cls(
+            senders=senders,
+            receivers=receivers,
+            plan=plan,
+            chunk_plan=chunk_plan,
+            schedule=schedule,
+            group=group,
+            device=device,
+            config=config,
+        )
+
+    def run(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> RunReport:
+        """Collective: move this rank's `sources` (its sender shards, by name) into every receiver's `targets`
+        (its receiver shards, by name). Tensors must have their shard's shape, dtype and this exchange's
+        device; they may be non-contiguous views. Returns after the data is in place."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            error: Exception | None = None
+            try:
+                local, chunks = self._bind(sources, targets)
+            except (ShardError, P2PError) as exc:
+                error, local, chunks = exc, [], []
+            n_chunks = self._preflight(failed=error is not None, n_chunks=len(chunks))
+            if error is not None:
+                raise error
+            chunks += [_BoundChunk(i, []) for i in range(len(chunks), n_chunks)]
+            for dst_view, src_view in local:
+                dst_view.copy_(src_view)
+            depth = self.config.pipeline_depth
+            slots = [max((c.staging for c in chunks[s::depth]), default=0) for s in range(depth)]
+            arena = Arena(slots, self.device)
+            trace: list[TraceEvent] = []
+            try:
+                self._exchange(chunks, arena, trace, start)
+            finally:
+                arena.release()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        return RunReport(
+            rank=self.rank,
+            n_chunks=n_chunks,
+            batches=sum(len(c.batches) for c in chunks),
+            bytes_sent=sum(
+                s.transfer.wire_bytes for c in self.schedule.chunks for b in c.batches for s in b.sends
+            ),
+            bytes_received=sum(
+                s.transfer.wire_bytes for c in self.schedule.chunks for b in c.batches for s in b.recvs
+            ),
+            bytes_local=sum(t.wire_bytes for t in self.schedule.local),
+            staging_bytes=arena.nbytes,
+            seconds=time.perf_counter() - start,
+            trace=tuple(trace),
+        )
+
+    def abort(self) -> None:
+        """Tear the communicator down after a timeout so stuck NCCL kernels cannot outlive the error."""
+        if dist.get_backend(self.group) == "nccl":
+            dist.distributed_c10d._abort_process_group(self.group)
+
+    # -- binding: local checks, before anything is sent --------------------------------------------------
+
+    def _bind(
+        self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[_BoundChunk]]:
+        checked: set[tuple[str, str]] = set()
+
+        def source(t: Transfer) -> torch.Tensor:
+            return self._local_tensor("source", sources, t.name, t.src_dtype, checked)
+
+        def target(t: Transfer) -> torch.Tensor:
+            return self._local_tensor("target", targets, t.name, t.dst_dtype, checked)
+
+        local = [
+            (box_view(target(t), t.dst_box), box_view(source(t), t.src_box)) for t in self.schedule.local
+        ]
+        chunks = []
+        for chunk in self.schedule.chunks:
+            bound = []
+            for batch in chunk.batches:
+                send = _Side(batch.send_bytes)
+                for s in batch.sends:
+                    t = s.transfer
+                    view = box_view(source(t), t.src_box)
+                    send.items.append((view, s.offset, torch_dtype(t.dst_dtype), t.region.lengths))
+                # A lone dense slice already in the receiver's dtype goes out as it is, unstaged.
+                if (
+                    len(batch.sends) == 1
+                    and send.items[0][0].is_contiguous()
+                    and not _casts(batch.sends[0].transfer)
+                ):
+                    send.direct = as_bytes(send.items[0][0])
+                recv = _Side(batch.recv_bytes)
+                for s in batch.recvs:
+                    t = s.transfer
+                    recv.items.append(
+                        (box_view(target(t), t.dst_box), s.offset, torch_dtype(t.dst_dtype), t.region.lengths)
+                    )
+                if len(batch.recvs) == 1 and recv.items[0][0].is_contiguous():
+                    recv.direct = as_bytes(recv.items[0][0])
+                bound.append(_BoundBatch(batch, send, recv))
+            chunks.append(_BoundChunk(chunk.index, bound))
+        return local, chunks
+
+    def _local_tensor(
+        self,
+        kind: str,
+        tensors: Mapping[str, torch.Tensor],
+        name: str,
+        dtype: str,
+        checked: set[tuple[str, str]],
+    ) -> torch.Tensor:
+        tensor = tensors.get(name)
+        if (kind, name) in checked and tensor is not None:
+            return tensor
+        if tensor is None:
+            raise ShardError(f"{name}: rank {self.rank} has no local {kind} tensor for it")
+        box = self._shards[kind][name].box_of(self.rank)
+        assert box is not None  # the plan only routes shards this rank holds
+        if tuple(tensor.shape) != box.lengths:
+            raise ShardError(
+                f"{name}: the local {kind} on rank {self.rank} has shape {tuple(tensor.shape)}, its shard is "
+                f"{list(box.lengths)}"
+            )
+        if tensor.dtype != torch_dtype(dtype):
+            raise ShardError(
+                f"{name}: the local {kind} on rank {self.rank} is {tensor.dtype}, expected {dtype}"
+            )
+        if tensor.device != self.device:
+            raise ShardError(
+                f"{name}: the local {kind} on rank {self.rank} is on {tensor.device}, "
+                f"the exchange on {self.device}"
+            )
+        checked.add((kind, name))
+        return tensor
+
+    def _preflight(self, *, failed: bool, n_chunks: int) -> int:
+        """One MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
+        votes = torch.zeros(self.world + 1, dtype=torch.int64, device=self.device)
+        votes[self.rank] = int(failed)
+        votes[self.world] = n_chunks
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        values = votes.tolist()
+        bad = [r for r, f in enumerate(values[: self.world]) if f]
+        if bad and not failed:
+            raise P2PError(f"rank {self.rank}: rank(s) {bad} rejected their local tensors; nothing was sent")
+        return int(values[self.world])
+
+    # -- the chunk loop ------------------------------------------------------------------------------------
+
+    def _exchange(
+        self, chunks: list[_BoundChunk], arena: Arena, trace: list[TraceEvent], start: float
+    ) -> None:
+        """Pack and post chunk c, then drain and unpack chunk c - depth + 1: with depth 2 the packing of one
+        chunk and the unpacking of the previous overlap the wire of the current one."""
+        in_flight: deque[tuple[int, list[_Posted]]] = deque()
+        for chunk in chunks:
+            in_flight.append((chunk.index, self._post(chunk, arena.slot(chunk.index), trace, start)))
+            if len(in_flight) >= self.config.pipeline_depth:
+                self._drain(*in_flight.popleft(), len(chunks), trace, start)
+        while in_flight:
+            self._drain(*in_flight.popleft(), len(chunks), trace, start)
+
+    def _post(
+        self, chunk: _BoundChunk, slot: torch.Tensor, trace: list[TraceEvent], start: float
+    ) -> list[_Posted]:
+        offset = 0
+        buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        for b in chunk.batches:
+            send_buf = recv_buf = None
+            if b.send.direct is not None:
+                send_buf = b.send.direct
+            elif b.send.nbytes:
+                send_buf = slot[offset : offset + b.send.nbytes]
+                offset += aligned(b.send.nbytes)
+                for view, at, dtype, shape in b.send.items:
+                    typed_view(send_buf, at, dtype, shape).copy_(view)
+            if b.recv.direct is not None:
+                recv_buf = b.recv.direct
+            elif b.recv.nbytes:
+                recv_buf = slot[offset : offset + b.recv.nbytes]
+                offset += aligned(b.recv.nbytes)
+            buffers.append((send_buf, recv_buf))
+        posted = []
+        for b, (send_buf, recv_buf) in zip(chunk.batches, buffers, strict=True):
+            peer = b.batch.peer
+            ops = []
+            # The tag keeps chunks apart on transports that match by tag (gloo); NCCL ignores it.
+            if send_buf is not None:
+                ops.append(
+                    dist.P2POp(dist.isend, send_buf, group=self.group, group_peer=peer, tag=chunk.index)
+                )
+            if recv_buf is not None:
+                ops.append(
+                    dist.P2POp(dist.irecv, recv_buf, group=self.group, group_peer=peer, tag=chunk.index)
+                )
+            works = dist.batch_isend_irecv(ops)
+            self._trace(trace, start, chunk.index, b, "enqueued")
+            posted.append(
+                _Posted(b, [w for w in works if w is not None], recv_buf if b.recv.direct is None else None)
+            )
+        return posted
+
+    def _drain(
+        self, index: int, posted: list[_Posted], n_chunks: int, trace: list[TraceEvent], start: float
+    ) -> None:
+        for p in posted:
+            self._await(p, index, n_chunks)
+            self._trace(trace, start, index, p.bound, "drained")
+            if p.recv_buffer is not None:
+                for view, at, dtype, shape in p.bound.recv.items:
+                    view.copy_(typed_view(p.recv_buffer, at, dtype, shape))
+
+    def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
+        """Wait for one peer batch with a deadline. NCCL works are polled (their wait only orders streams);
+        CPU transports block in a wait that takes the remaining time as its timeout."""
+        batch = posted.bound.batch
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            if self._polls:
+                pause = _POLL_MIN_S
+                while not all(w.is_completed() for w in posted.works):
+                    if time.monotonic() > deadline:
+                        self._timed_out(batch, chunk, n_chunks)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_MAX_S)
+                for w in posted.works:
+                    w.wait()
+            else:
+                for w in posted.works:
+                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except PeerTimeoutError:
+            raise
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline:
+                self._timed_out(batch, chunk, n_chunks)
+            raise P2PError(
+                f"rank {self.rank}: exchange with peer {batch.peer} failed "
+                f"in chunk {chunk + 1} of {n_chunks}: {exc}"
+            ) from exc
+
+    def _timed_out(self, batch: PeerBatch, chunk: int, n_chunks: int) -> NoReturn:
+        message = (
+            f"rank {self.rank}: no progress for {self.config.timeout_s:g} s waiting on peer {batch.peer} "
+            f"(chunk {chunk + 1} of {n_chunks}, round {batch.round}, sending {batch.send_bytes} B, "
+            f"receiving {batch.recv_bytes} B): the peer is dead, stuck or on a different schedule; "
+            "the process group is no longer usable"
+        )
+        log.error(message)
+        try:
+            self.abort()
+        except Exception:  # best effort: the timeout is the error worth reporting
+            log.exception("rank %d: aborting the process group failed", self.rank)
+        raise PeerTimeoutError(message, peer=batch.peer, chunk=chunk, round_=batch.round)
+
+    def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: _BoundBatch, event: str) -> None:
+        if not self.config.trace:
+            return
+        item = TraceEvent(
+            chunk,
+            b.batch.round,
+            b.batch.peer,
+            event,
+            b.send.nbytes,
+            b.recv.nbytes,
+            time.perf_counter() - start,
+        )
+        trace.append(item)
+        log.info(
+            "p2p rank %d chunk %d round %d peer %d %s send=%dB recv=%dB t=%.6fs",
+            self.rank,
+            chunk,
+            item.round,
+            item.peer,
+            event,
+            item.send_bytes,
+            item.recv_bytes,
+            item.seconds,
+        )
+
+
+def _casts(t: Transfer) -> bool:
+    return t.src_dtype != t.dst_dtype
+
+
+def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device collectives of `group` run on: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
