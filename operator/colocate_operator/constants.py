@@ -13,7 +13,7 @@ VERSION: Final = "v1alpha1"
 API_VERSION: Final = f"{GROUP}/{VERSION}"
 KIND: Final = "ColocateJob"
 PLURAL: Final = "colocatejobs"
-SHORT_NAME: Final = "cj"
+SHORT_NAME: Final = "cjob"  # "cj" belongs to CronJob
 OPERATOR_NAME: Final = "colocate-operator"
 
 # Labels on every child. Selectors use LABEL_JOB plus LABEL_COMPONENT; nothing selects on user labels.

@@ -100,7 +100,7 @@ def test_every_rule_message_names_a_field(version: dict[str, Any]) -> None:
 
 def _defaults(schema: dict[str, Any], path: tuple[str, ...] = ()):
     for key, child in (schema.get("properties") or {}).items():
-        if "default" in child and child["default"] != {}:
+        if "default" in child and not isinstance(child["default"], dict):
             yield (*path, key), child["default"]
         yield from _defaults(child, (*path, key))
 

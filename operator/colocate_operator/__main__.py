@@ -1,0 +1,75 @@
+"""`python -m colocate_operator` / `colocate-operator`: run the operator against the current kubeconfig.
+
+Credentials: in-cluster service account when running in a pod, else KUBECONFIG (or ~/.kube/config).
+Logs are JSON lines on stderr; the liveness endpoint answers on --liveness (kopf's /healthz).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import kopf
+
+from colocate_operator import handlers
+from colocate_operator.config import ConfigError, OperatorConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="colocate-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; glob patterns allowed); default: all",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL, empty to disable (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--peering",
+        default=None,
+        help="kopf peering object name; default: standalone (run exactly one replica)",
+    )
+    parser.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    parser.add_argument("--log-format", choices=["json", "plain"], default="json", help="default: json")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
+    # The HTTP client's debug logs would include request bodies (a Secret among them); keep them quiet.
+    logging.getLogger("urllib3").setLevel(logging.WARNING)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    try:
+        config = OperatorConfig.from_env()
+    except ConfigError as e:
+        logging.getLogger("colocate_operator").error("invalid configuration: %s", e)
+        return 2
+    registry = kopf.get_default_registry()
+    handlers.register(registry, config)
+    kopf.run(
+        registry=registry,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        priority=args.priority,
+        namespaces=args.namespace,
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

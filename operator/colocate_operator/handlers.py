@@ -1,0 +1,97 @@
+"""kopf wiring, deliberately thin: every trigger just asks the Reconciler for a pass over one job.
+
+Triggers: resume (operator start), create, spec update, a periodic timer (the level-based safety net),
+and watch events of the job's pods and Redis Deployment (prompt reaction to failures and readiness).
+All handlers are sync functions: kopf runs them in its thread pool, so the blocking HTTP client never
+stalls the event loop. They return None, so nothing lands in status.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import kopf
+
+from colocate_operator.config import OperatorConfig
+from colocate_operator.constants import (
+    COMPONENT_METASTORE,
+    COMPONENT_WORKER,
+    GROUP,
+    KOPF_PREFIX,
+    LABEL_COMPONENT,
+    LABEL_JOB,
+    OPERATOR_NAME,
+    PLURAL,
+    VERSION,
+)
+from colocate_operator.kube import Kube
+from colocate_operator.reconciler import Reconciler
+
+JOB = (GROUP, VERSION, PLURAL)
+_ROUTINE = re.compile(r"^(Timer|Handler) '(periodic|pod|metastore)' succeeded\.$")
+
+
+class _DropRoutineSuccess(logging.Filter):
+    """kopf logs every timer tick and watch event as "succeeded" at INFO; with many jobs that is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and _ROUTINE.match(str(record.msg)))
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube | None = None) -> None:
+    """Register the handlers on `registry`; `kube` defaults to the environment's credentials at startup."""
+
+    @kopf.on.startup(id="configure", registry=registry)
+    def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        # kopf's own log lines must not become Events; the reconciler posts its lifecycle Events itself.
+        settings.posting.level = logging.WARNING
+        settings.posting.loggers = False
+        settings.posting.reporting_component = OPERATOR_NAME
+        # Handler progress in annotations under our prefix; status is ours and pruned by the schema anyway.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=KOPF_PREFIX, key="last-handled-configuration"
+        )
+        settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: no deletion handlers
+        settings.execution.max_workers = 16
+        settings.networking.connect_timeout = 10
+        logging.getLogger("kopf.objects").addFilter(_DropRoutineSuccess())
+        memo.reconciler = Reconciler(kube or Kube.from_environment(), config)
+
+    @kopf.on.resume(*JOB, id="resume", registry=registry)
+    @kopf.on.create(*JOB, id="create", registry=registry)
+    @kopf.on.update(*JOB, id="update", field="spec", registry=registry)
+    def reconcile_on_change(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.reconcile(namespace, name)
+
+    @kopf.timer(*JOB, id="periodic", interval=config.reconcile_interval_seconds, registry=registry)
+    def reconcile_periodically(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.reconcile(namespace, name)
+
+    @kopf.on.event(
+        "v1",
+        "pods",
+        id="pod",
+        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_WORKER},
+        registry=registry,
+    )
+    def pod_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        id="metastore",
+        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_METASTORE},
+        registry=registry,
+    )
+    def metastore_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
+
+    @kopf.on.probe(id="reconciles", registry=registry)
+    def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:
+        stats = memo.reconciler.stats
+        return {"passes": stats.passes, "errors": stats.errors, "lastPass": stats.last_pass}

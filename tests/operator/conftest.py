@@ -1,0 +1,98 @@
+"""Fixtures for the operator's integration tests: the CRD installed once, the operator as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OperatorProcess:
+    """`python -m colocate_operator` watching one namespace, its JSON log kept in a file."""
+
+    def __init__(self, namespace: str, log_path: Path, **env: str) -> None:
+        self.namespace = namespace
+        self.log_path = log_path
+        self.env = {"COLOCATE_RECONCILE_INTERVAL_SECONDS": "2", **env}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self, timeout: float = 60, **env: str) -> OperatorProcess:
+        self.port = free_port()
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "colocate_operator",
+                    "--namespace",
+                    self.namespace,
+                    "--liveness",
+                    f"http://127.0.0.1:{self.port}/healthz",
+                ],
+                cwd=ROOT,
+                env={**os.environ, **self.env, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"operator exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError(f"operator not live after {timeout} s:\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup of any kind, as when a node dies."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def crd(cluster) -> Path:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/colocatejobs.colocate.dev")
+    return CRD_PATH
+
+
+@pytest.fixture
+def operator_process(crd: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """A started operator for this test's namespace; stopped (and its log printed on failure) afterwards."""
+    process = OperatorProcess(namespace, tmp_path / "operator.log").start()
+    yield process
+    process.stop()
+    print(f"\n[operator log: {process.log_path}]\n{process.log()[-3000:]}", file=sys.stderr)

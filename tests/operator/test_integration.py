@@ -1,0 +1,471 @@
+"""The operator on the real local control plane: apiserver + controller-manager + scheduler + kwok.
+
+Pods really get scheduled onto the fake GPU nodes and DRA claims really get allocated; kwok moves them to
+Running (no container ever runs). Failures are injected by patching a pod's status or deleting it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.kube import wait_for
+from tests.operator import factories
+from tests.operator.conftest import OperatorProcess
+
+pytestmark = pytest.mark.integration
+
+WORKER = "colocate.dev/component=worker"
+
+
+def job_manifest(name: str, namespace: str, **override: Any) -> dict[str, Any]:
+    body = factories.body(name, namespace, **override)
+    body["metadata"] = {"name": name, "namespace": namespace}
+    return body
+
+
+def apply_job(cluster, namespace: str, name: str = "demo", **override: Any) -> dict[str, Any]:
+    manifest = job_manifest(name, namespace, **override)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    return manifest
+
+
+def get(cluster, namespace: str, *args: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", "-n", namespace, *args, "-o", "json").stdout)
+
+
+def job_status(cluster, namespace: str, name: str = "demo") -> dict[str, Any]:
+    return get(cluster, namespace, "colocatejob", name).get("status") or {}
+
+
+def pods(cluster, namespace: str, name: str = "demo") -> list[dict[str, Any]]:
+    items = get(cluster, namespace, "pods", "-l", f"colocate.dev/job={name},{WORKER}")["items"]
+    return sorted(items, key=lambda p: p["metadata"]["name"])
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def wait_phase(
+    cluster, namespace: str, phase: str, timeout: float = 60, name: str = "demo"
+) -> dict[str, Any]:
+    return wait_for(
+        lambda: (s := job_status(cluster, namespace, name)).get("phase") == phase and s,
+        timeout,
+        f"ColocateJob {namespace}/{name} phase {phase}",
+    )
+
+
+def running_pods(cluster, namespace: str, count: int, restart: int) -> list[dict[str, Any]]:
+    def probe() -> list[dict[str, Any]] | None:
+        items = pods(cluster, namespace)
+        ok = len(items) == count and all(
+            p["status"].get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+            and p["metadata"]["labels"]["colocate.dev/restart"] == str(restart)
+            for p in items
+        )
+        return items if ok else None
+
+    return wait_for(probe, 60, f"{count} Running pods of group restart {restart}")
+
+
+def fail_pod(cluster, namespace: str, pod: str) -> None:
+    patch = {"status": {"phase": "Failed", "reason": "Error", "message": "trainer exited with code 1"}}
+    cluster.kubectl(
+        "patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(patch)
+    )
+
+
+def events(cluster, namespace: str) -> list[dict[str, Any]]:
+    return get(cluster, namespace, "events")["items"]
+
+
+def job_event_reasons(cluster, namespace: str) -> set[str]:
+    return {e["reason"] for e in events(cluster, namespace) if e["involvedObject"]["kind"] == "ColocateJob"}
+
+
+def test_happy_path_both_containers_share_one_allocated_claim(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    started = time.monotonic()
+    apply_job(cluster, namespace, numNodes=4, gpusPerNode=4)
+    status = wait_phase(cluster, namespace, "Running")
+    elapsed = time.monotonic() - started
+    items = running_pods(cluster, namespace, 4, 0)
+    assert len({p["spec"]["nodeName"] for p in items}) == 4, "one pod per node"
+    assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in items)
+    claims = {c["metadata"]["name"]: c for c in get(cluster, namespace, "resourceclaims")["items"]}
+    for pod in items:
+        assert pod["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "demo-gpus"}]
+        for container in pod["spec"]["containers"]:
+            assert container["resources"]["claims"] == [{"name": "gpus"}]
+        (claim_status,) = pod["status"]["resourceClaimStatuses"]
+        claim = claims[claim_status["resourceClaimName"]]
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert len(results) == 4
+        assert {r["pool"] for r in results} == {pod["spec"]["nodeName"]}, "devices of the pod's own node"
+        assert {r["driver"] for r in results} == {"gpu.nvidia.com"}
+        assert [c["uid"] for c in claim["status"]["reservedFor"]] == [pod["metadata"]["uid"]]
+    assert status["ready"] == "4/4" and status["restarts"] == 0
+    assert status["observedGeneration"] == 1
+    for type_ in ("MetaStoreReady", "ResourcesAllocated", "PodsReady"):
+        assert condition(status, type_)["status"] == "True", type_
+    assert condition(status, "ResourcesAllocated")["reason"] == "ClaimsAllocated"
+    assert [c["pod"] for c in status["resourceClaims"]] == [f"demo-{i}" for i in range(4)]
+    assert all(c["allocated"] and len(c["devices"]) == 4 for c in status["resourceClaims"])
+    printed = cluster.kubectl("get", "colocatejob", "demo", "-n", namespace).stdout
+    assert "Running" in printed and "4/4" in printed
+    assert {"CreatedMetaStore", "CreatedPods", "JobRunning"} <= job_event_reasons(cluster, namespace)
+    print(f"\n[happy path] apply -> Running: {elapsed:.1f} s")
+
+
+def test_every_child_is_owned_and_garbage_collected(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace)
+    wait_phase(cluster, namespace, "Running")
+    uid = get(cluster, namespace, "colocatejob", "demo")["metadata"]["uid"]
+    kinds = "pods,services,secrets,deployments,networkpolicies,resourceclaimtemplates"
+    children = get(cluster, namespace, kinds, "-l", "colocate.dev/job=demo")["items"]
+    assert {c["kind"] for c in children} == {
+        "Pod",
+        "Service",
+        "Secret",
+        "Deployment",
+        "NetworkPolicy",
+        "ResourceClaimTemplate",
+    }
+    for child in children:
+        if child["kind"] == "Pod" and child["metadata"]["labels"]["colocate.dev/component"] == "metastore":
+            continue  # Redis pods belong to the Deployment's ReplicaSet
+        refs = child["metadata"]["ownerReferences"]
+        assert [(r["uid"], r["controller"]) for r in refs] == [(uid, True)], child["metadata"]["name"]
+    assert len(get(cluster, namespace, "resourceclaims")["items"]) == 2
+
+    cluster.kubectl("delete", "colocatejob", "demo", "-n", namespace, "--wait=false")
+
+    def leftovers() -> list[str]:
+        kinds_all = f"{kinds},replicasets,resourceclaims"
+        items = get(cluster, namespace, kinds_all)["items"]
+        return [
+            f"{i['kind']}/{i['metadata']['name']}" for i in items if i["metadata"]["name"] != "kubernetes"
+        ]
+
+    wait_for(lambda: not leftovers() or None, 60, "every child garbage-collected")
+    assert leftovers() == []
+
+
+def test_pod_failure_restarts_whole_group_then_fails_after_max_restarts(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace, runPolicy={"maxRestarts": 1, "backoffSeconds": 0})
+    wait_phase(cluster, namespace, "Running")
+    first = running_pods(cluster, namespace, 2, 0)
+
+    fail_pod(cluster, namespace, "demo-1")
+    second = running_pods(cluster, namespace, 2, 1)
+    assert {p["metadata"]["uid"] for p in second}.isdisjoint(p["metadata"]["uid"] for p in first), (
+        "every pod of the group is recreated, not just the failed one"
+    )
+    status = wait_phase(cluster, namespace, "Running")
+    assert status["restarts"] == 1
+    assert condition(status, "Restarting")["status"] == "False"
+    assert "RestartingGroup" in job_event_reasons(cluster, namespace)
+
+    cluster.kubectl("delete", "pod", "demo-0", "-n", namespace, "--wait=false")  # a deleted pod counts too
+    status = wait_phase(cluster, namespace, "Failed")
+    failed = condition(status, "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "MaxRestartsExceeded")
+    assert "demo-0" in failed["message"]
+    assert status["restarts"] == 1 and status.get("completionTime")
+    wait_for(lambda: not pods(cluster, namespace) or None, 30, "pods of the failed job deleted")
+    assert "JobFailed" in job_event_reasons(cluster, namespace)
+
+
+def test_suspend_deletes_pods_keeps_metastore_and_resumes(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace)
+    wait_phase(cluster, namespace, "Running")
+    secret_uid = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"]
+    deployment_uid = get(cluster, namespace, "deployment", "demo-metastore")["metadata"]["uid"]
+
+    cluster.kubectl(
+        "patch", "colocatejob", "demo", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": true}}'
+    )
+    status = wait_phase(cluster, namespace, "Suspended")
+    wait_for(lambda: not pods(cluster, namespace) or None, 30, "pods deleted on suspend")
+    assert condition(status, "Suspended")["status"] == "True"
+    assert get(cluster, namespace, "deployment", "demo-metastore")["metadata"]["uid"] == deployment_uid
+    assert not get(cluster, namespace, "resourceclaims")["items"] or wait_for(
+        lambda: not get(cluster, namespace, "resourceclaims")["items"], 30, "claims released"
+    )
+
+    # Pod-shaping fields may change while suspended.
+    cluster.kubectl(
+        "patch",
+        "colocatejob",
+        "demo",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"trainer": {"image": "example.com/trainer:2"}}}',
+    )
+    cluster.kubectl(
+        "patch", "colocatejob", "demo", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": false}}'
+    )
+    status = wait_phase(cluster, namespace, "Running")
+    items = running_pods(cluster, namespace, 2, 0)
+    assert status["restarts"] == 0, "suspend and resume do not count as restarts"
+    assert condition(status, "Suspended")["status"] == "False"
+    assert {p["spec"]["containers"][0]["image"] for p in items} == {"example.com/trainer:2"}
+    assert get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"] == secret_uid
+    assert {"SuspendedByUser", "Resumed"} <= job_event_reasons(cluster, namespace)
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(
+    cluster, namespace: str, crd, tmp_path
+) -> None:
+    slow = OperatorProcess(namespace, tmp_path / "operator-1.log", COLOCATE_CREATE_DELAY_SECONDS="2").start()
+    try:
+        apply_job(cluster, namespace, numNodes=4, gpusPerNode=4)
+        wait_for(lambda: len(pods(cluster, namespace)) >= 1, 60, "the first pod created")
+        slow.kill()
+    finally:
+        slow.stop()
+    partial = len(pods(cluster, namespace))
+    assert 1 <= partial < 4, f"killed mid-way: {partial} of 4 pods exist"
+    assert job_status(cluster, namespace).get("groupCreated") is not True
+
+    restarted = OperatorProcess(namespace, tmp_path / "operator-2.log").start()
+    try:
+        status = wait_phase(cluster, namespace, "Running")
+        items = running_pods(cluster, namespace, 4, 0)
+        # Stable for a few reconcile intervals: no extra pods, no restarts.
+        time.sleep(5)
+        again = pods(cluster, namespace)
+        assert [p["metadata"]["uid"] for p in again] == [p["metadata"]["uid"] for p in items]
+        assert sorted(p["metadata"]["labels"]["colocate.dev/replica-index"] for p in again) == [
+            "0",
+            "1",
+            "2",
+            "3",
+        ]
+        assert job_status(cluster, namespace)["restarts"] == 0 and status["groupCreated"] is True
+        assert len(get(cluster, namespace, "secrets", "-l", "colocate.dev/job=demo")["items"]) == 1
+        assert len(get(cluster, namespace, "resourceclaims")["items"]) == 4
+    finally:
+        restarted.stop()
+
+
+def test_redis_password_appears_in_no_pod_spec_log_or_event(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace, runPolicy={"backoffSeconds": 0})
+    wait_phase(cluster, namespace, "Running")
+    fail_pod(cluster, namespace, "demo-0")  # a restart: more events, more pods, more log lines
+    running_pods(cluster, namespace, 2, 1)
+    wait_phase(cluster, namespace, "Running")
+    secret = get(cluster, namespace, "secret", "demo-metastore-auth")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert len(password) >= 32
+    assert f"requirepass {password}" in base64.b64decode(secret["data"]["redis.conf"]).decode()
+
+    for pod in [
+        *pods(cluster, namespace),
+        *get(cluster, namespace, "pods", "-l", "colocate.dev/component=metastore")["items"],
+    ]:
+        text = json.dumps(pod)
+        assert password not in text, pod["metadata"]["name"]
+        for container in pod["spec"]["containers"]:
+            refs = [e for e in container.get("env") or [] if e["name"] == "COLOCATE_METASTORE_PASSWORD"]
+            if pod["metadata"]["labels"]["colocate.dev/component"] == "worker":
+                assert refs == [
+                    {
+                        "name": "COLOCATE_METASTORE_PASSWORD",
+                        "valueFrom": {"secretKeyRef": {"name": "demo-metastore-auth", "key": "password"}},
+                    }
+                ]
+    others = get(cluster, namespace, "deployments,replicasets,services,networkpolicies,colocatejobs,events")
+    assert password not in json.dumps(others)
+    assert len(events(cluster, namespace)) > 5
+    log = operator_process.log()
+    assert "status updated" in log and password not in log
+    assert base64.b64encode(password.encode()).decode() not in log
+
+
+def test_devices_from_the_device_plugin_fallback(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace, gpu={"allocation": "DevicePlugin"}, gpusPerNode=8)
+    status = wait_phase(cluster, namespace, "Running")
+    assert condition(status, "ResourcesAllocated")["reason"] == "DevicePluginFallback"
+    items = running_pods(cluster, namespace, 2, 0)
+    for pod in items:
+        trainer, rollout = pod["spec"]["containers"]
+        assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert "nvidia.com/gpu" not in (rollout.get("resources") or {}).get("limits", {})
+        assert "resourceClaims" not in pod["spec"]
+    assert get(cluster, namespace, "resourceclaimtemplates")["items"] == []
+
+
+def test_external_metastore_waits_for_its_secret(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    external = {
+        "mode": "External",
+        "external": {"address": "redis.shared.svc:6379", "passwordSecretRef": {"name": "shared-redis"}},
+    }
+    apply_job(cluster, namespace, metaStore=external)
+    wait_for(
+        lambda: condition(job_status(cluster, namespace), "MetaStoreReady").get("reason") == "SecretNotFound",
+        60,
+        "MetaStoreReady=False/SecretNotFound",
+    )
+    assert job_status(cluster, namespace)["phase"] != "Running"
+    cluster.kubectl(
+        "create", "secret", "generic", "shared-redis", "-n", namespace, "--from-literal=password=x"
+    )
+    status = wait_phase(cluster, namespace, "Running")
+    assert status["metaStore"] == {
+        "mode": "External",
+        "address": "redis.shared.svc:6379",
+        "secretName": "shared-redis",
+    }
+    assert get(cluster, namespace, "deployments")["items"] == []
+
+
+INVALID_CREATES = [
+    ("num-nodes-zero", {"numNodes": 0}, "spec.numNodes"),
+    ("gpus-per-node-too-many", {"gpusPerNode": 65}, "spec.gpusPerNode"),
+    ("train-layout-does-not-fit", {"parallelism": {"train": {"tensor": 3}}}, "spec.parallelism.train"),
+    (
+        "train-expert-does-not-fit",
+        {"parallelism": {"train": {"expert": 32}}},
+        "spec.parallelism.train.expert",
+    ),
+    (
+        "inference-layout-too-big",
+        {"parallelism": {"inference": {"tensor": 8, "data": 4}}},
+        "spec.parallelism.inference",
+    ),
+    (
+        "inference-expert-does-not-divide",
+        {"parallelism": {"inference": {"tensor": 8, "expert": 3}}},
+        "spec.parallelism.inference.expert",
+    ),
+    ("unknown-gpu-allocation", {"gpu": {"allocation": "MIG"}}, "spec.gpu.allocation"),
+    ("external-without-address", {"metaStore": {"mode": "External"}}, "spec.metaStore.external"),
+    (
+        "managed-with-external",
+        {"metaStore": {"external": {"address": "r:6379", "passwordSecretRef": {"name": "s"}}}},
+        "spec.metaStore.external",
+    ),
+    (
+        "reserved-env-name",
+        {"trainer": {"env": [{"name": "COLOCATE_JOB_NAME", "value": "x"}]}},
+        "spec.trainer.env[0].name",
+    ),
+    (
+        "gpu-in-container-resources",
+        {"rollout": {"resources": {"limits": {"nvidia.com/gpu": 8}}}},
+        "spec.rollout.resources.limits",
+    ),
+    ("unknown-model-arch", {"model": {"arch": "llama"}}, "spec.model.arch"),
+    ("bad-shm-size", {"pod": {"shmSize": "lots"}}, "spec.pod.shmSize"),
+    ("unknown-transport", {"weightSync": {"transport": "TCP"}}, "spec.weightSync.transport"),
+    (
+        "external-address-without-port",
+        {
+            "metaStore": {
+                "mode": "External",
+                "external": {"address": "redis", "passwordSecretRef": {"name": "s"}},
+            }
+        },
+        "spec.metaStore.external.address",
+    ),
+    ("negative-max-restarts", {"runPolicy": {"maxRestarts": -1}}, "spec.runPolicy.maxRestarts"),
+]
+
+
+@pytest.mark.parametrize(("case", "override", "field"), INVALID_CREATES, ids=[c[0] for c in INVALID_CREATES])
+def test_invalid_spec_rejected_with_field_named(
+    cluster, crd, namespace: str, case: str, override: dict[str, Any], field: str
+) -> None:
+    manifest = job_manifest(f"bad-{case}"[:40], namespace, **override)
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0, f"{case} was accepted"
+    assert field in result.stderr, result.stderr
+
+
+def test_invalid_names_and_missing_fields_rejected(cluster, crd, namespace: str) -> None:
+    for name, override, field in [
+        ("x" * 41, {}, "metadata.name"),
+        ("9starts-with-digit", {}, "metadata.name"),
+        ("no-image", {"trainer": {"image": ""}}, "spec.trainer.image"),
+    ]:
+        manifest = job_manifest(name, namespace, **override)
+        result = cluster.kubectl(
+            "create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False
+        )
+        assert result.returncode != 0 and field in result.stderr, (name, result.stderr)
+
+
+IMMUTABLE_UPDATES = [
+    ("num-nodes", {"spec": {"numNodes": 4}}, "spec.numNodes is immutable"),
+    ("gpus-per-node", {"spec": {"gpusPerNode": 4}}, "spec.gpusPerNode is immutable"),
+    ("gpu", {"spec": {"gpu": {"deviceClassName": "other.example.com"}}}, "spec.gpu is immutable"),
+    (
+        "metastore-mode",
+        {
+            "spec": {
+                "metaStore": {
+                    "mode": "External",
+                    "external": {"address": "r:6379", "passwordSecretRef": {"name": "s"}},
+                }
+            }
+        },
+        "spec.metaStore.mode is immutable",
+    ),
+    ("trainer-while-running", {"spec": {"trainer": {"image": "t:2"}}}, "spec.trainer may only change"),
+    ("rollout-while-running", {"spec": {"rollout": {"image": "s:2"}}}, "spec.rollout may only change"),
+    ("parallelism-while-running", {"spec": {"parallelism": {"train": {"tensor": 2}}}}, "spec.parallelism"),
+]
+
+
+def test_immutable_fields_rejected_on_update(cluster, crd, namespace: str) -> None:
+    apply_job(cluster, namespace)  # no operator needed: this is the API server's validation alone
+    for case, patch, message in IMMUTABLE_UPDATES:
+        result = cluster.kubectl(
+            "patch",
+            "colocatejob",
+            "demo",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+            "--dry-run=server",
+            check=False,
+        )
+        assert result.returncode != 0, f"{case} was accepted"
+        assert message in result.stderr, (case, result.stderr)
+    # Suspending and changing the trainer in one update is allowed (pods are recreated on resume).
+    cluster.kubectl(
+        "patch",
+        "colocatejob",
+        "demo",
+        "-n",
+        namespace,
+        "--type=merge",
+        "--dry-run=server",
+        "-p",
+        json.dumps({"spec": {"suspend": True, "trainer": {"image": "t:2"}}}),
+    )
