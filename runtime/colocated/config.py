@@ -19,9 +19,10 @@ Optional, with defaults:
 | `COLOCATE_HEARTBEAT_TTL_SECONDS` | `10` | a peer whose heartbeat has not been seen for this long is dead |
 | `COLOCATE_KEY_TTL_SECONDS` | `600` | TTL of every per-step key |
 | `COLOCATE_VERIFY` | `None` | `None` or `SampledChecksum` (both sides checksum a few sampled entries) |
-| `COLOCATE_TRANSPORT` | `CudaIPC` | `CudaIPC` (production) or `SharedMemory` (CPU path, tests) |
+| `COLOCATE_TRANSPORT` | `CudaIPC` | `CudaIPC` (colocated), `SharedMemory` (CPU path, tests), `NCCL` (p2p) |
 | `COLOCATE_SHM_DIR` | `/dev/shm` | directory of the shared-memory buckets (`SharedMemory` transport only) |
-| `COLOCATE_SGLANG_URL` | `http://127.0.0.1:30000` | SGLang's HTTP address, for the adapter in the same pod |
+| `COLOCATE_ROLLOUT_PORT` | `30000` | SGLang's HTTP port in the same pod (the adapter calls 127.0.0.1) |
+| `COLOCATE_SGLANG_URL` | from the port | SGLang's HTTP address, when it is not `http://127.0.0.1:PORT` |
 
 Everything else in the runtime takes a `ColocateConfig` (or a part of it); nothing below reads `os.environ`.
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-TRANSPORTS = ("CudaIPC", "SharedMemory")
+TRANSPORTS = ("CudaIPC", "SharedMemory", "NCCL")
 VERIFY_MODES = ("None", "SampledChecksum")
 
 
@@ -117,5 +118,6 @@ class ColocateConfig:
             verify=environ.get("COLOCATE_VERIFY", "").strip() or "None",
             transport=environ.get("COLOCATE_TRANSPORT", "").strip() or "CudaIPC",
             shm_dir=environ.get("COLOCATE_SHM_DIR", "").strip() or "/dev/shm",
-            sglang_url=environ.get("COLOCATE_SGLANG_URL", "").strip() or "http://127.0.0.1:30000",
+            sglang_url=environ.get("COLOCATE_SGLANG_URL", "").strip()
+            or f"http://127.0.0.1:{int(number('COLOCATE_ROLLOUT_PORT', 30000, int))}",
         )

@@ -217,6 +217,11 @@ class MetaStore:
         return winner.decode() if isinstance(winner, bytes) else str(winner)
 
     @_translated
+    def claim_owner(self, gen: int, step: int, uuid: str) -> str | None:
+        raw = self.client.get(self.keys.claim(gen, step, uuid))
+        return None if raw is None else raw.decode()
+
+    @_translated
     def write_ack(self, gen: int, step: int, uuid: str, ack: Ack) -> bool:
         result = self._set_nx_notify(
             keys=[self.keys.ack(gen, step, uuid), self.keys.ack_queue(gen, step, uuid)],

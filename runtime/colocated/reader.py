@@ -129,6 +129,8 @@ class WeightReader:
         self.weight_version: str | None = None
         self._state = "idle"
         self._heartbeat: Heartbeat | None = None
+        self._watch: tuple[int | None, PeerWatch] | None = None
+        self._lost_gen: int | None = None
         for name, shard in self.target_shards.items():
             t = self.targets.get(name)
             if t is None or tuple(t.shape) != shard.box.lengths:
@@ -155,16 +157,13 @@ class WeightReader:
         """Wait for the next published step on this GPU (of the trainer's current incarnation), apply it."""
         deadline = Deadline(self.settings.step_timeout_s if timeout_s is None else timeout_s)
         trainer: PeerWatch | None = None
-        trainer_gen: int | None = None
         unreachable: str | None = None
         while True:
             try:
                 gen = self._follow_gen()
-                if trainer is None or trainer_gen != gen:
-                    trainer, trainer_gen = (
-                        PeerWatch(self.store, "trainer", self.uuid, self.settings.heartbeat_ttl_s),
-                        gen,
-                    )
+                trainer = self._trainer_watch(gen)
+                if not trainer.ever_seen:
+                    trainer.check()  # until first seen; afterwards only on idle wake-ups
                 if gen is not None:
                     reason = self.store.abort_reason(gen, None)
                     if reason is not None:
@@ -182,12 +181,21 @@ class WeightReader:
             except MetaStoreUnavailable as err:
                 unreachable = str(err)
                 time.sleep(min(0.2, deadline.remaining()))
-            if trainer is not None and trainer.ever_seen and trainer.dead() and unreachable is None:
+            lost = trainer is not None and trainer.ever_seen and unreachable is None and trainer.dead()
+            if lost and self._lost_gen != self.gen:
+                # Said once per incarnation; later calls wait for the restarted trainer's new generation.
+                self._lost_gen = self.gen
                 raise PeerLost(f"trainer on {self.uuid} stopped heartbeating (generation {self.gen})")
             if deadline.expired:
                 if unreachable is not None:
                     raise MetaStoreLost(f"waiting for a step: {unreachable}")
                 raise StepTimedOut(f"no step published for {self.uuid} within {deadline.seconds:.1f}s")
+
+    def _trainer_watch(self, gen: int | None) -> PeerWatch:
+        """One watch per incarnation, kept across calls: a trainer seen in an earlier call counts as seen."""
+        if self._watch is None or self._watch[0] != gen:
+            self._watch = (gen, PeerWatch(self.store, "trainer", self.uuid, self.settings.heartbeat_ttl_s))
+        return self._watch[1]
 
     def _follow_gen(self) -> int | None:
         current = self.store.current_gen()

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.config import ColocateConfig, ConfigError
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.liveness import host_id
 from colocate_runtime.colocated.metastore import MetaStore
@@ -25,9 +25,17 @@ def cpu_device_id(cfg: ColocateConfig, rank: int) -> str:
     return f"CPU-{host_id()}-{cfg.replica_index}-{rank}"
 
 
+def _colocated_only(cfg: ColocateConfig) -> None:
+    if cfg.transport == "NCCL":
+        raise ConfigError(
+            "COLOCATE_TRANSPORT=NCCL moves weights with runtime/p2p, not the colocated writer/reader"
+        )
+
+
 def exporter_for(
     cfg: ColocateConfig, *, rank: int = 0, device: torch.device | int | None = None
 ) -> BucketExporter:
+    _colocated_only(cfg)
     if cfg.transport == "CudaIPC":
         from colocate_runtime.colocated.ipc import CudaIpcExporter
 
@@ -40,6 +48,7 @@ def exporter_for(
 def importer_for(
     cfg: ColocateConfig, *, rank: int = 0, device: torch.device | int | None = None
 ) -> BucketImporter:
+    _colocated_only(cfg)
     if cfg.transport == "CudaIPC":
         from colocate_runtime.colocated.ipc import CudaIpcImporter
 

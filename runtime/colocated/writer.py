@@ -31,6 +31,7 @@ from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
 from colocate_runtime.colocated.manifest import Ack, BucketRecord, Manifest, Producer, encode_manifest
 from colocate_runtime.colocated.metastore import (
+    CLAIM_READER,
     CLAIM_REVOKED,
     MetaStore,
     MetaStoreError,
@@ -271,7 +272,7 @@ class WeightWriter:
             except MetaStoreUnavailable as err:
                 unreachable = str(err)
                 time.sleep(min(0.2, deadline.remaining()))
-            if reader.ever_seen and reader.dead() and unreachable is None:
+            if unreachable is None and reader.dead() and self._reader_was_here(pending, reader):
                 self._free(pending)
                 raise self._failed(
                     pending,
@@ -407,6 +408,15 @@ class WeightWriter:
                 ),
             )
         pending.run_id = self.store.server_run_id()
+
+    def _reader_was_here(self, pending: PendingStep, reader: PeerWatch) -> bool:
+        """A silent reader that was never seen may just be starting: it is lost only if it had claimed."""
+        if reader.ever_seen:
+            return True
+        try:
+            return self.store.claim_owner(pending.gen, pending.step, self.uuid) == CLAIM_READER
+        except MetaStoreError:
+            return False
 
     # --- memory -------------------------------------------------------------------------------------------
 
