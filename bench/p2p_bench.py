@@ -214,6 +214,62 @@ def per_tensor(sources: dict, targets: dict, rank: int, one_batch: bool) -> Call
     return run
 
 
+def chunked_flat(nbytes: int, capacity: int, rank: int, device: torch.device) -> Callable[[], None]:
+    """The flat send cut into capacity-sized ops: what chunk granularity alone costs, without any copies."""
+
+    def run() -> None:
+        buf = torch.empty(capacity, dtype=torch.uint8, device=device)
+        works = []
+        for start in range(0, nbytes, capacity):
+            piece = buf[: min(capacity, nbytes - start)]
+            op = dist.P2POp(dist.isend, piece, 1) if rank == 0 else dist.P2POp(dist.irecv, piece, 0)
+            works += dist.batch_isend_irecv([op])
+        for w in works:
+            w.wait()
+
+    return run
+
+
+def copies_only(tensors: dict[str, torch.Tensor], capacity: int, device: torch.device) -> Callable[[], None]:
+    """The bytes of `tensors` copied through a capacity-sized staging buffer: the executor's packing work."""
+
+    def run() -> None:
+        staging = torch.empty(capacity, dtype=torch.uint8, device=device)
+        offset = 0
+        for t in tensors.values():
+            flat = t.reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), capacity):
+                piece = flat[start : start + capacity]
+                if offset + piece.numel() > capacity:
+                    offset = 0
+                staging[offset : offset + piece.numel()].copy_(piece)
+                offset += piece.numel()
+
+    return run
+
+
+def flat_while_copying(
+    nbytes: int, tensors: dict[str, torch.Tensor], capacity: int, rank: int, device: torch.device
+) -> Callable[[], None]:
+    """The flat send with the packing copies running at the same time on another stream: contention."""
+    send = flat_exchange(nbytes, rank, device, both_ways=False)
+    copy = copies_only(tensors, capacity, device)
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def run() -> None:
+        if stream is None:
+            send()
+            copy()
+            return
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            copy()
+        send()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    return run
+
+
 def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) -> None:
     backend = "nccl" if args.device == "cuda" else "gloo"
     if backend == "nccl":
@@ -257,6 +313,16 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) 
             measured["tensor by tensor"] = timer.measure(per_tensor(sources, targets, rank, one_batch=False))
             measured["one batch, all tensors"] = timer.measure(
                 per_tensor(sources, targets, rank, one_batch=True)
+            )
+        if scenario == "move" and args.diagnose:
+            capacity = chunk_plan.capacity
+            local = sources if rank == 0 else targets
+            measured["diag: flat, chunk-sized ops"] = timer.measure(
+                chunked_flat(per_dir, capacity, rank, device)
+            )
+            measured["diag: packing copies only"] = timer.measure(copies_only(local, capacity, device))
+            measured["diag: flat while copying"] = timer.measure(
+                flat_while_copying(per_dir, local, capacity, rank, device)
             )
         flat_s = measured["flat send"][0]
         for method, (seconds, extra) in measured.items():
@@ -304,7 +370,7 @@ def print_table(args: argparse.Namespace, result: dict) -> None:
         f"median of {args.iters} after {args.warmup} warm-up"
     )
     header = (
-        f"{'scenario':<8} {'method':<24} {'bytes/dir':>10} {'plan s':>8} {'chunks':>6} {'seconds':>9} "
+        f"{'scenario':<8} {'method':<30} {'bytes/dir':>10} {'plan s':>8} {'chunks':>6} {'seconds':>9} "
         f"{'GB/s':>8} {'% flat':>7} {'peak extra':>11} {'staging':>10} {'bitwise':>7}"
     )
     print(header)
@@ -316,7 +382,7 @@ def print_table(args: argparse.Namespace, result: dict) -> None:
         staging = "" if r["staging"] is None else _gb(r["staging"])
         verified = "" if r["verified"] is None else ("ok" if r["verified"] else "WRONG")
         print(
-            f"{r['scenario']:<8} {r['method']:<24} {_gb(r['bytes']):>10} {plan_s:>8} {chunks:>6} "
+            f"{r['scenario']:<8} {r['method']:<30} {_gb(r['bytes']):>10} {plan_s:>8} {chunks:>6} "
             f"{r['seconds']:>9.4f} {r['gbps']:>8.1f} {r['pct']:>6.1f}% {extra:>11} {staging:>10} "
             f"{verified:>7}"
         )
@@ -338,6 +404,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--scenarios", nargs="+", choices=["move", "swap"], default=["move", "swap"])
+    parser.add_argument(
+        "--diagnose", action="store_true", help="add rows that separate wire, copies, contention"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         if torch.cuda.device_count() < 2:

@@ -44,6 +44,9 @@ log = logging.getLogger("colocate_runtime.p2p")
 # Poll interval bounds while waiting for a batch: short enough not to idle the link between chunks.
 _POLL_MIN_S = 2e-5
 _POLL_MAX_S = 2e-4
+# Bytes exchanged with each peer when the exchange is created, to open the NCCL connection up front.
+_CONNECT_BYTES = 1 << 20
+_GONE = "a rank is dead, stuck or on a different schedule; the process group is no longer usable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +185,7 @@ class P2PExchange:
             raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
         chunk_plan = assign_chunks(plan, capacity)
         schedule = rank_schedule(chunk_plan, rank, world)
-        return cls(
+        exchange = cls(
             senders=senders,
             receivers=receivers,
             plan=plan,
@@ -192,6 +195,8 @@ class P2PExchange:
             device=device,
             config=config,
         )
+        exchange._connect()
+        return exchange
 
     def run(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> RunReport:
         """Collective: move this rank's `sources` (its sender shards, by name) into every receiver's `targets`
@@ -322,7 +327,13 @@ class P2PExchange:
         votes = torch.zeros(self.world + 1, dtype=torch.int64, device=self.device)
         votes[self.rank] = int(failed)
         votes[self.world] = n_chunks
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if not self._wait([work], time.monotonic() + self.config.timeout_s):
+            self._abort_quietly()
+            waited = f"{self.config.timeout_s:g} s"
+            raise P2PError(
+                f"rank {self.rank}: the group did not meet to start the run within {waited}: {_GONE}"
+            )
         values = votes.tolist()
         bad = [r for r, f in enumerate(values[: self.world]) if f]
         if bad and not failed:
@@ -395,46 +406,75 @@ class P2PExchange:
                     view.copy_(typed_view(p.recv_buffer, at, dtype, shape))
 
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
-        """Wait for one peer batch with a deadline. NCCL works are polled (their wait only orders streams);
-        CPU transports block in a wait that takes the remaining time as its timeout."""
         batch = posted.bound.batch
-        deadline = time.monotonic() + self.config.timeout_s
         try:
-            if self._polls:
-                pause = _POLL_MIN_S
-                while not all(w.is_completed() for w in posted.works):
-                    if time.monotonic() > deadline:
-                        self._timed_out(batch, chunk, n_chunks)
-                    time.sleep(pause)
-                    pause = min(2 * pause, _POLL_MAX_S)
-                for w in posted.works:
-                    w.wait()
-            else:
-                for w in posted.works:
-                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-        except PeerTimeoutError:
-            raise
+            done = self._wait(posted.works, time.monotonic() + self.config.timeout_s)
         except RuntimeError as exc:
-            if time.monotonic() >= deadline:
-                self._timed_out(batch, chunk, n_chunks)
             raise P2PError(
                 f"rank {self.rank}: exchange with peer {batch.peer} failed "
                 f"in chunk {chunk + 1} of {n_chunks}: {exc}"
             ) from exc
+        if not done:
+            self._timed_out(
+                batch.peer,
+                f"chunk {chunk + 1} of {n_chunks}, round {batch.round}, sending {batch.send_bytes} B, "
+                f"receiving {batch.recv_bytes} B",
+                chunk=chunk,
+                round_=batch.round,
+            )
 
-    def _timed_out(self, batch: PeerBatch, chunk: int, n_chunks: int) -> NoReturn:
-        message = (
-            f"rank {self.rank}: no progress for {self.config.timeout_s:g} s waiting on peer {batch.peer} "
-            f"(chunk {chunk + 1} of {n_chunks}, round {batch.round}, sending {batch.send_bytes} B, "
-            f"receiving {batch.recv_bytes} B): the peer is dead, stuck or on a different schedule; "
-            "the process group is no longer usable"
-        )
+    def _wait(self, works: list, deadline: float) -> bool:
+        """Whether `works` completed before `deadline`. NCCL works are polled (their wait() only orders
+        streams); CPU transports block in a wait() that is given the remaining time."""
+        if self._polls:
+            pause = _POLL_MIN_S
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            for w in works:
+                w.wait()
+            return True
+        for w in works:
+            try:
+                w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    return False
+                raise
+        return True
+
+    def _timed_out(self, peer: int, where: str, *, chunk: int, round_: int) -> NoReturn:
+        waited = f"{self.config.timeout_s:g} s"
+        message = f"rank {self.rank}: no progress for {waited} waiting on peer {peer} ({where}): {_GONE}"
         log.error(message)
+        self._abort_quietly()
+        raise PeerTimeoutError(message, peer=peer, chunk=chunk, round_=round_)
+
+    def _abort_quietly(self) -> None:
         try:
             self.abort()
         except Exception:  # best effort: the timeout is the error worth reporting
             log.exception("rank %d: aborting the process group failed", self.rank)
-        raise PeerTimeoutError(message, peer=batch.peer, chunk=chunk, round_=batch.round)
+
+    def _connect(self) -> None:
+        """NCCL opens a peer connection on the first send/recv with it, blocking the host until the peer
+        joins; done here, where every rank has just met, a later stall shows up in a wait we can time."""
+        if not self._polls:
+            return
+        peers = {b.peer: b.round for c in self.schedule.chunks for b in c.batches}
+        for peer, round_ in sorted(peers.items(), key=lambda item: item[1]):
+            out = torch.zeros(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
+            back = torch.empty(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, out, group=self.group, group_peer=peer),
+                    dist.P2POp(dist.irecv, back, group=self.group, group_peer=peer),
+                ]
+            )
+            if not self._wait([w for w in works if w is not None], time.monotonic() + self.config.timeout_s):
+                self._timed_out(peer, f"connecting, round {round_}", chunk=-1, round_=round_)
 
     def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: _BoundBatch, event: str) -> None:
         if not self.config.trace:

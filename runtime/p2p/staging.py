@@ -33,7 +33,7 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A typed, shaped window into a byte buffer, starting at an ALIGN-aligned offset."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     n = 1
     for s in shape:
         n *= s
