@@ -314,6 +314,7 @@ class WeightReader:
             log.warning("step %d: the trainer's layout changed since the previous update", step)
         return report
 
+    @torch.no_grad()
     def _copy(self, manifest: Manifest, scope: ImportScope) -> int:
         plan = _CopyPlan()
         extra: dict[str, PlacedEntry] = {}

@@ -195,10 +195,11 @@ class WeightWriter:
         tag = f"g{gen}-s{step}"
         buckets = [self.exporter.allocate(b.index, b.nbytes, tag) for b in plan.buckets]
         try:
-            for e in plan.entries:
-                flat = buckets[e.bucket].tensor
-                assert flat is not None
-                entry_view(flat, e).copy_(tensors[e.name])
+            with torch.no_grad():
+                for e in plan.entries:
+                    flat = buckets[e.bucket].tensor
+                    assert flat is not None
+                    entry_view(flat, e).copy_(tensors[e.name])
             sums = {}
             if self.settings.checksum_entries > 0:
                 for name in checksum.sample_names(
