@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU tests and benchmark of the colocated weight update on a lent H200 machine (no network there).
+#
+# Here, once:   bash bench/colocated_device.sh prepare
+#               (puts redis-server with its libraries and the redis-py wheel into .device/colocated/, which
+#                .git/info/exclude keeps out of git; the device tool carries it)
+# On the H200:  device run, carry [".device"], command "bash bench/colocated_device.sh test"
+#               device run, carry [".device"], command "bash bench/colocated_device.sh bench --size-gb 8 16"
+#               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+CARRY=$REPO/.device/colocated
+
+prepare() {
+    mkdir -p "$CARRY/redis/lib"
+    grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+    cp "$(command -v redis-server)" "$CARRY/redis/redis-server"
+    # Every shared library but the C runtime itself (the device's glibc is newer than Debian 12's).
+    ldd "$(command -v redis-server)" | awk '/=> \//{print $3}' \
+        | grep -Ev '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' \
+        | xargs -I{} cp -L {} "$CARRY/redis/lib/"
+    local python=${PYTHON:-.venv/bin/python}
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$CARRY/wheels" \
+        "redis==$("$python" -c 'import redis; print(redis.__version__)')"
+    du -sh "$CARRY"
+}
+
+setup_device() {
+    [ -d "$CARRY" ] || { echo "no $CARRY: run 'bash bench/colocated_device.sh prepare' here and carry .device"; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$CARRY"/wheels/*.whl
+    mkdir -p /tmp/shim
+    ln -sfn "$REPO/runtime" /tmp/shim/colocate_runtime
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$CARRY/redis/lib" "$CARRY/redis/redis-server" \
+        > /tmp/redis-server
+    chmod +x /tmp/redis-server "$CARRY/redis/redis-server"
+    export COLOCATE_REDIS_SERVER=/tmp/redis-server
+    export PYTHONPATH=/tmp/site:/tmp/shim:$REPO${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONUNBUFFERED=1
+    /tmp/redis-server --version
+    python3 -c 'import torch, redis; print("torch", torch.__version__, "redis-py", redis.__version__, torch.cuda.get_device_name(0))'
+}
+
+run_tests() {
+    # --noconftest: tests/conftest.py starts the local Kubernetes control plane, which these tests do not use.
+    python3 -m pytest tests/runtime/test_colocated_gpu.py -m gpu -v --noconftest -p no:cacheprovider
+}
+
+run_bench() {
+    python3 bench/colocated_bench.py "$@"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    test) setup_device; run_tests ;;
+    bench) shift; setup_device; run_bench "$@" ;;
+    all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
+    *) echo "usage: $0 prepare|test|bench [bench args]|all [bench args]"; exit 2 ;;
+esac

@@ -1,0 +1,131 @@
+"""GPU path: two processes on one GPU with real CUDA IPC (skipped where there is no CUDA).
+
+Run on an H200 with `bash bench/colocated_device.sh test` (see bench/README_colocated.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.wiring import new_writer
+from tests.runtime import colocated_model as model
+from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env(redis_server: RedisServer) -> dict[str, str]:  # noqa: F811
+    return {
+        "COLOCATE_JOB_NAME": "gpu-job",
+        "COLOCATE_NAMESPACE": "test",
+        **redis_server.env(),
+        "COLOCATE_TRANSPORT": "CudaIPC",
+        "COLOCATE_STEP_TIMEOUT_SECONDS": "120",
+        "COLOCATE_HEARTBEAT_TTL_SECONDS": "5",
+        "COLOCATE_BUCKET_MB": "64",
+        "COLOCATE_VERIFY": "SampledChecksum",
+    }
+
+
+def spawn_reader(env: dict[str, str], out: Path, model_name: str, steps: int) -> subprocess.Popen:
+    log = open(out.with_suffix(".log"), "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.runtime.colocated_gpu_procs",
+            model_name,
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    log.close()
+    return proc
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_cuda_ipc_two_processes_bitwise_and_buckets_freed(env: dict[str, str], tmp_path: Path) -> None:
+    torch.cuda.set_device(0)
+    out = tmp_path / "reader.jsonl"
+    reader = spawn_reader(env, out, "small", steps=3)
+    writer = new_writer(ColocateConfig.from_env(env), device=0)
+    try:
+        base = torch.cuda.memory_allocated()
+        for step in (1, 2, 3):
+            weights = model.weights(step, "cuda:0", scale=64)
+            report = writer.update(step, weights)
+            assert report.handles == 2  # one bf16 and one fp32 bucket
+            del weights
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() <= base  # buckets returned after the ACK
+        assert reader.wait(timeout=120) == 0, out.with_suffix(".log").read_text()[-4000:]
+    finally:
+        writer.close()
+        if reader.poll() is None:
+            reader.kill()
+    got = records(out)
+    assert [(r["step"], r["ok"], r["wrong"]) for r in got] == [(1, True, []), (2, True, []), (3, True, [])]
+    assert not any(r["gc_fallback"] for r in got)  # the verified close needed no gc.collect()
+
+
+def test_transformers_model_gives_the_trainers_logits(env: dict[str, str], tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tests.runtime.colocated_gpu_procs import logits, perturbed, tiny_llama
+
+    torch.cuda.set_device(0)
+    out = tmp_path / "llama.jsonl"
+    reader = spawn_reader(env, out, "tiny-llama", steps=2)
+    writer = new_writer(ColocateConfig.from_env(env), device=0)
+    trainer = tiny_llama(seed=1, device="cuda:0")
+    expected: dict[int, list[float]] = {}
+    try:
+        for step in (1, 2):
+            weights = perturbed(trainer, step)
+            writer.update(step, weights)
+            with torch.no_grad():
+                for name, p in trainer.named_parameters():
+                    p.copy_(weights[name])
+            expected[step] = logits(trainer, "cuda:0")
+        assert reader.wait(timeout=180) == 0, out.with_suffix(".log").read_text()[-4000:]
+    finally:
+        writer.close()
+        if reader.poll() is None:
+            reader.kill()
+    got = records(out)
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        ours, theirs = torch.tensor(expected[r["step"]]), torch.tensor(r["logits"])
+        assert torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3), (ours - theirs).abs().max()
+
+
+def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from colocate_runtime.colocated.ipc import CudaIpcExporter
+    from colocate_runtime.colocated.transport import TransportError
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(TransportError, match="expandable segments"):
+        CudaIpcExporter(0)
