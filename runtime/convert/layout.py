@@ -112,8 +112,8 @@ class PipelineLayout:
         last pipeline ranks hold the given counts, the middle ranks share the rest evenly; with a virtual
         pipeline every count is divided evenly over the virtual stages."""
         ends = (first is not None) + (last is not None)
-        if pp < max(ends, 1):
-            raise UnsupportedLayoutError(f"uneven first/last stages need more than {pp} pipeline ranks")
+        if ends and pp < max(ends, 2):  # Megatron rejects uneven stages without pipeline parallelism
+            raise UnsupportedLayoutError(f"uneven first/last stages need more than {pp} pipeline rank(s)")
         middle_ranks = pp - ends
         middle = num_layers - (first or 0) - (last or 0)
 
