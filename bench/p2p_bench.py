@@ -285,7 +285,12 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) 
         if override:
             shape[i] = override
     tensors = model_tensors(*shape)
-    config = ExecutorConfig(budget_bytes=args.budget_mb << 20, pipeline_depth=args.depth, timeout_s=300.0)
+    config = ExecutorConfig(
+        budget_bytes=args.budget_mb << 20,
+        pipeline_depth=args.depth,
+        timeout_s=300.0,
+        direct_min_bytes=int(args.direct_min_mb * (1 << 20)),
+    )
     timer = Timer(device, args.warmup, args.iters)
     rows = []
     for scenario in args.scenarios:
@@ -367,6 +372,7 @@ def print_table(args: argparse.Namespace, result: dict) -> None:
     print(
         f"p2p bench: preset {args.preset}, {result['tensors']} tensors, {_gb(result['model_bytes'])} bf16, "
         f"2 x {args.device}, budget {args.budget_mb} MiB, pipeline depth {args.depth}, "
+        f"own message from {args.direct_min_mb:g} MiB, "
         f"median of {args.iters} after {args.warmup} warm-up"
     )
     header = (
@@ -401,6 +407,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=0)
     parser.add_argument("--budget-mb", type=int, default=1024, help="executor staging budget (MiB)")
     parser.add_argument("--depth", type=int, default=2, help="chunks in flight")
+    parser.add_argument(
+        "--direct-min-mb", type=float, default=16.0, help="slices this big get their own message, unpacked"
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--scenarios", nargs="+", choices=["move", "swap"], default=["move", "swap"])

@@ -6,12 +6,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from colocate_runtime.p2p.chunks import ALIGN
+from colocate_runtime.p2p.chunks import ALIGN, DIRECT_MIN_BYTES
 
 ENV_BUDGET_MB = "COLOCATE_P2P_BUDGET_MB"
 ENV_PIPELINE_DEPTH = "COLOCATE_P2P_PIPELINE_DEPTH"
 ENV_TIMEOUT_S = "COLOCATE_P2P_TIMEOUT_S"
 ENV_TRACE = "COLOCATE_P2P_TRACE"
+ENV_DIRECT_MIN_MB = "COLOCATE_P2P_DIRECT_MIN_MB"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -26,12 +27,16 @@ class ExecutorConfig:
     pipeline_depth: chunks in flight; 2 lets packing of the next chunk overlap the wire of the current one.
     timeout_s: longest wait for one peer batch to drain before the run fails naming that peer.
     trace: record (and log at INFO) when each peer batch is enqueued and drained.
+    direct_min_bytes: slices at least this big travel as their own message and move in place when their
+        tensor is dense (and, sending, already in the wire dtype); smaller ones are packed per peer.
+    Ranks agree on the smallest budget and the smallest direct_min_bytes configured among them.
     """
 
     budget_bytes: int = 1 << 30
     pipeline_depth: int = 2
     timeout_s: float = 120.0
     trace: bool = False
+    direct_min_bytes: int = DIRECT_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:
@@ -41,6 +46,8 @@ class ExecutorConfig:
                 f"budget_bytes {self.budget_bytes} leaves less than {ALIGN} B per chunk at depth "
                 f"{self.pipeline_depth}"
             )
+        if self.direct_min_bytes < 1:
+            raise ValueError(f"direct_min_bytes must be positive, got {self.direct_min_bytes}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
@@ -58,6 +65,8 @@ class ExecutorConfig:
                 values["budget_bytes"] = int(float(env[ENV_BUDGET_MB]) * (1 << 20))
             if env.get(ENV_PIPELINE_DEPTH):
                 values["pipeline_depth"] = int(env[ENV_PIPELINE_DEPTH])
+            if env.get(ENV_DIRECT_MIN_MB):
+                values["direct_min_bytes"] = int(float(env[ENV_DIRECT_MIN_MB]) * (1 << 20))
             if env.get(ENV_TIMEOUT_S):
                 values["timeout_s"] = float(env[ENV_TIMEOUT_S])
         except ValueError as exc:

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from colocate_runtime.p2p.chunks import (
     ChunkPlan,
+    Message,
     PeerBatch,
     RankSchedule,
     aligned,
@@ -46,6 +47,8 @@ _POLL_MIN_S = 2e-5
 _POLL_MAX_S = 2e-4
 # Bytes exchanged with each peer when the exchange is created, to open the NCCL connection up front.
 _CONNECT_BYTES = 1 << 20
+_TAGS_PER_CHUNK = 1 << 12
+_TAG_LIMIT = (1 << 31) - 1
 _GONE = "a rank is dead, stuck or on a different schedule; the process group is no longer usable"
 
 
@@ -74,24 +77,21 @@ class RunReport:
 
 
 @dataclass(slots=True)
-class _Side:
-    """One direction of a peer batch bound to local tensors: either one dense tensor moved in place or
-    slices packed into (sender) or unpacked from (receiver) a staging buffer."""
+class _Op:
+    """One wire message bound to local tensors: moved in place (`direct`: a byte view of the local tensor)
+    or through staging that its slices are packed into (sender) or unpacked from (receiver)."""
 
     nbytes: int
+    items: list[tuple[torch.Tensor, int, torch.dtype, tuple[int, ...]]]
     direct: torch.Tensor | None = None
-    items: list[tuple[torch.Tensor, int, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
-
-    @property
-    def staged(self) -> int:
-        return 0 if self.direct is not None else self.nbytes
+    staging: torch.Tensor | None = None  # the arena window while the message is in flight
 
 
 @dataclass(slots=True)
 class _BoundBatch:
     batch: PeerBatch
-    send: _Side
-    recv: _Side
+    sends: list[_Op]
+    recvs: list[_Op]
 
 
 @dataclass(slots=True)
@@ -101,14 +101,13 @@ class _BoundChunk:
 
     @property
     def staging(self) -> int:
-        return sum(aligned(b.send.staged) + aligned(b.recv.staged) for b in self.batches)
+        return sum(aligned(op.nbytes) for b in self.batches for op in b.sends + b.recvs if op.direct is None)
 
 
 @dataclass(slots=True)
 class _Posted:
     bound: _BoundBatch
     works: list
-    recv_buffer: torch.Tensor | None
 
 
 class P2PExchange:
@@ -166,12 +165,15 @@ class P2PExchange:
         except ShardError as exc:
             error = exc
         # One MAX all-reduce: failure flags and digests in per-rank slots, and -capacity for a MIN.
-        votes = torch.zeros(2 * world + 1, dtype=torch.int64, device=device)
+        votes = torch.zeros(2 * world + 2, dtype=torch.int64, device=device)
         votes[rank] = int(error is not None)
         votes[world + rank] = digest
         votes[2 * world] = -config.chunk_capacity
+        votes[2 * world + 1] = -config.direct_min_bytes
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
-        flags, digests, capacity = votes[:world].tolist(), votes[world : 2 * world].tolist(), -int(votes[-1])
+        values = votes.tolist()
+        flags, digests = values[:world], values[world : 2 * world]
+        capacity, direct_min = -values[2 * world], -values[2 * world + 1]
         if error is not None:
             raise error
         failed = [r for r, f in enumerate(flags) if f]
@@ -184,7 +186,7 @@ class P2PExchange:
             groups = "; ".join(f"{d:015x}: ranks {rs}" for d, rs in sorted(by_digest.items()))
             raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
         chunk_plan = assign_chunks(plan, capacity)
-        schedule = rank_schedule(chunk_plan, rank, world)
+        schedule = rank_schedule(chunk_plan, rank, world, direct_min)
         exchange = cls(
             senders=senders,
             receivers=receivers,
@@ -229,12 +231,8 @@ class P2PExchange:
             rank=self.rank,
             n_chunks=n_chunks,
             batches=sum(len(c.batches) for c in chunks),
-            bytes_sent=sum(
-                s.transfer.wire_bytes for c in self.schedule.chunks for b in c.batches for s in b.sends
-            ),
-            bytes_received=sum(
-                s.transfer.wire_bytes for c in self.schedule.chunks for b in c.batches for s in b.recvs
-            ),
+            bytes_sent=_payload(self.schedule, sending=True),
+            bytes_received=_payload(self.schedule, sending=False),
             bytes_local=sum(t.wire_bytes for t in self.schedule.local),
             staging_bytes=arena.nbytes,
             seconds=time.perf_counter() - start,
@@ -262,32 +260,30 @@ class P2PExchange:
         local = [
             (box_view(target(t), t.dst_box), box_view(source(t), t.src_box)) for t in self.schedule.local
         ]
-        chunks = []
-        for chunk in self.schedule.chunks:
-            bound = []
-            for batch in chunk.batches:
-                send = _Side(batch.send_bytes)
-                for s in batch.sends:
-                    t = s.transfer
-                    view = box_view(source(t), t.src_box)
-                    send.items.append((view, s.offset, torch_dtype(t.dst_dtype), t.region.lengths))
-                # A lone dense slice already in the receiver's dtype goes out as it is, unstaged.
-                if (
-                    len(batch.sends) == 1
-                    and send.items[0][0].is_contiguous()
-                    and not _casts(batch.sends[0].transfer)
-                ):
-                    send.direct = as_bytes(send.items[0][0])
-                recv = _Side(batch.recv_bytes)
-                for s in batch.recvs:
-                    t = s.transfer
-                    recv.items.append(
-                        (box_view(target(t), t.dst_box), s.offset, torch_dtype(t.dst_dtype), t.region.lengths)
-                    )
-                if len(batch.recvs) == 1 and recv.items[0][0].is_contiguous():
-                    recv.direct = as_bytes(recv.items[0][0])
-                bound.append(_BoundBatch(batch, send, recv))
-            chunks.append(_BoundChunk(chunk.index, bound))
+
+        def bind(message: Message, sending: bool) -> _Op:
+            items = []
+            for piece in message.slices:
+                t = piece.transfer
+                view = box_view(source(t), t.src_box) if sending else box_view(target(t), t.dst_box)
+                items.append((view, piece.offset, torch_dtype(t.dst_dtype), t.region.lengths))
+            op = _Op(message.nbytes, items)
+            # A lone dense slice already in the wire dtype moves in place: no staging, no copy.
+            only = message.slices[0].transfer
+            if len(items) == 1 and items[0][0].is_contiguous() and not (sending and _casts(only)):
+                op.direct = as_bytes(items[0][0])
+            return op
+
+        chunks = [
+            _BoundChunk(
+                chunk.index,
+                [
+                    _BoundBatch(b, [bind(m, True) for m in b.sends], [bind(m, False) for m in b.recvs])
+                    for b in chunk.batches
+                ],
+            )
+            for chunk in self.schedule.chunks
+        ]
         return local, chunks
 
     def _local_tensor(
@@ -359,40 +355,28 @@ class P2PExchange:
         self, chunk: _BoundChunk, slot: torch.Tensor, trace: list[TraceEvent], start: float
     ) -> list[_Posted]:
         offset = 0
-        buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         for b in chunk.batches:
-            send_buf = recv_buf = None
-            if b.send.direct is not None:
-                send_buf = b.send.direct
-            elif b.send.nbytes:
-                send_buf = slot[offset : offset + b.send.nbytes]
-                offset += aligned(b.send.nbytes)
-                for view, at, dtype, shape in b.send.items:
-                    typed_view(send_buf, at, dtype, shape).copy_(view)
-            if b.recv.direct is not None:
-                recv_buf = b.recv.direct
-            elif b.recv.nbytes:
-                recv_buf = slot[offset : offset + b.recv.nbytes]
-                offset += aligned(b.recv.nbytes)
-            buffers.append((send_buf, recv_buf))
+            for op in b.sends + b.recvs:
+                if op.direct is None:
+                    op.staging = slot[offset : offset + op.nbytes]
+                    offset += aligned(op.nbytes)
+            for op in b.sends:
+                if op.staging is not None:
+                    for view, at, dtype, shape in op.items:
+                        typed_view(op.staging, at, dtype, shape).copy_(view)
         posted = []
-        for b, (send_buf, recv_buf) in zip(chunk.batches, buffers, strict=True):
+        for b in chunk.batches:
             peer = b.batch.peer
             ops = []
-            # The tag keeps chunks apart on transports that match by tag (gloo); NCCL ignores it.
-            if send_buf is not None:
-                ops.append(
-                    dist.P2POp(dist.isend, send_buf, group=self.group, group_peer=peer, tag=chunk.index)
-                )
-            if recv_buf is not None:
-                ops.append(
-                    dist.P2POp(dist.irecv, recv_buf, group=self.group, group_peer=peer, tag=chunk.index)
-                )
+            for kind, side in ((dist.isend, b.sends), (dist.irecv, b.recvs)):
+                for k, op in enumerate(side):
+                    buffer = op.direct if op.direct is not None else op.staging
+                    # Tags keep messages apart on transports that match by tag (gloo); NCCL ignores them.
+                    tag = (chunk.index * _TAGS_PER_CHUNK + k) % _TAG_LIMIT
+                    ops.append(dist.P2POp(kind, buffer, group=self.group, group_peer=peer, tag=tag))
             works = dist.batch_isend_irecv(ops)
             self._trace(trace, start, chunk.index, b, "enqueued")
-            posted.append(
-                _Posted(b, [w for w in works if w is not None], recv_buf if b.recv.direct is None else None)
-            )
+            posted.append(_Posted(b, [w for w in works if w is not None]))
         return posted
 
     def _drain(
@@ -401,9 +385,13 @@ class P2PExchange:
         for p in posted:
             self._await(p, index, n_chunks)
             self._trace(trace, start, index, p.bound, "drained")
-            if p.recv_buffer is not None:
-                for view, at, dtype, shape in p.bound.recv.items:
-                    view.copy_(typed_view(p.recv_buffer, at, dtype, shape))
+            for op in p.bound.sends:
+                op.staging = None
+            for op in p.bound.recvs:
+                if op.staging is not None:
+                    for view, at, dtype, shape in op.items:
+                        view.copy_(typed_view(op.staging, at, dtype, shape))
+                    op.staging = None
 
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
         batch = posted.bound.batch
@@ -484,8 +472,8 @@ class P2PExchange:
             b.batch.round,
             b.batch.peer,
             event,
-            b.send.nbytes,
-            b.recv.nbytes,
+            b.batch.send_bytes,
+            b.batch.recv_bytes,
             time.perf_counter() - start,
         )
         trace.append(item)
@@ -500,6 +488,16 @@ class P2PExchange:
             item.recv_bytes,
             item.seconds,
         )
+
+
+def _payload(schedule: RankSchedule, *, sending: bool) -> int:
+    return sum(
+        piece.transfer.wire_bytes
+        for chunk in schedule.chunks
+        for b in chunk.batches
+        for m in (b.sends if sending else b.recvs)
+        for piece in m.slices
+    )
 
 
 def _casts(t: Transfer) -> bool:

@@ -293,6 +293,7 @@ class Scenario:
     runs: int = 1
     trace: bool = False
     budget_by_rank: dict[int, int] | None = None  # ranks configured differently (they agree on the smallest)
+    direct_min_bytes: int | None = None  # slices this big get their own message (None: the default)
 
     def layouts(self) -> tuple[Layout, Layout]:
         return trainer_layout(self.model, **self.trainer), inference_layout(self.model, **self.inference)
@@ -306,9 +307,10 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
     senders, receivers = scenario.layouts()
     budget = (scenario.budget_by_rank or {}).get(rank, scenario.budget_bytes)
     env = {"COLOCATE_P2P_TRACE": "1"} if scenario.trace else {}
-    config = ExecutorConfig.from_env(
-        env, budget_bytes=budget, pipeline_depth=scenario.pipeline_depth, timeout_s=20.0
-    )
+    overrides: dict[str, Any] = {"budget_bytes": budget, "pipeline_depth": scenario.pipeline_depth}
+    if scenario.direct_min_bytes is not None:
+        overrides["direct_min_bytes"] = scenario.direct_min_bytes
+    config = ExecutorConfig.from_env(env, timeout_s=20.0, **overrides)
     exchange = P2PExchange.create(senders, receivers, device=device, config=config)
     sources = local_tensors(senders, rank, device, fill=True, strided=scenario.strided_sources)
     reports, bad, cuda_extra = [], [], []
@@ -329,6 +331,8 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
     return {
         "plan_hash": exchange.plan.hash(),
         "n_chunks": last.n_chunks,
+        "messages": sum(len(b.sends) + len(b.recvs) for c in exchange.schedule.chunks for b in c.batches),
+        "batches_total": sum(len(c.batches) for c in exchange.schedule.chunks),
         "capacity": exchange.chunk_plan.capacity,
         "staging_bytes": [r.staging_bytes for r in reports],
         "cuda_extra_bytes": cuda_extra,  # the caching allocator's peak: staging plus small control tensors

@@ -65,9 +65,11 @@ def test_tp2_pp4_to_tp4_disjoint_world_of_12_with_fp32_norms_and_strided_targets
         {"tp": 4, "ranks": range(8, 12), "dtype_overrides": {"norm": "float32"}},
         budget_bytes=4096,
         strided_targets=True,
+        direct_min_bytes=200,  # larger slices get messages of their own, dense ones move in place
     )
     reports = check_reshard(run_world(reshard_worker, 12, scenario, timeout=80), scenario)
     assert reports[0]["n_chunks"] >= 2
+    assert sum(r["messages"] for r in reports) > sum(r["batches_total"] for r in reports)
     assert all(r["bytes_received"] == 0 for r in reports[:8]) and all(
         r["bytes_sent"] == 0 for r in reports[8:]
     )
@@ -92,6 +94,7 @@ def test_ep8_to_ep2_with_replicated_dense_params_and_fp32_router() -> None:
         {"ep": 8, "dp": 8},
         {"ep": 2, "ranks": range(8), "dtype_overrides": {"router": "float32"}},
         budget_bytes=2048,
+        direct_min_bytes=100,
     )
     reports = check_reshard(run_world(reshard_worker, 8, scenario), scenario)
     assert reports[0]["n_chunks"] >= 2
@@ -123,6 +126,7 @@ def test_budget_smaller_than_one_tensor() -> None:
         {"tp": 1, "ranks": [0, 2], "dtype": "float32"},
         budget_bytes=96,
         strided_targets=True,
+        direct_min_bytes=32,
     )
     reports = check_reshard(run_world(reshard_worker, 3, scenario), scenario)
     assert reports[0]["n_chunks"] > 40
@@ -213,6 +217,7 @@ def test_gpu_all_to_all_reshard_tp2_rows_to_tp2_replicas_fp32_strided() -> None:
         budget_bytes=256 << 10,
         strided_targets=True,
         runs=2,
+        direct_min_bytes=16 << 10,
     )
     reports = check_reshard(run_world(reshard_worker, 2, scenario, backend="nccl", timeout=150), scenario)
     assert reports[0]["n_chunks"] >= 4

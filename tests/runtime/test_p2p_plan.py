@@ -273,7 +273,7 @@ def test_chunks_respect_the_budget_and_tile_every_transfer(
                 mirror = next(x for x in schedules[b.peer].chunks[chunk.index].batches if x.peer == s.rank)
                 assert (mirror.sends, mirror.recvs) == (b.recvs, b.sends)
                 assert mirror.round == b.round
-                assert all(x.offset % ALIGN == 0 for x in b.sends + b.recvs)
+                assert all(x.offset % ALIGN == 0 for m in b.sends + b.recvs for x in m.slices)
 
 
 def test_budget_smaller_than_one_tensor_splits_into_slabs() -> None:
@@ -336,3 +336,22 @@ def test_config_from_env() -> None:
         ExecutorConfig.from_env({"COLOCATE_P2P_TRACE": "maybe"})
     with pytest.raises(ValueError, match="budget_bytes"):
         ExecutorConfig(budget_bytes=8)
+
+
+def test_large_slices_get_messages_of_their_own_and_small_ones_are_packed() -> None:
+    shape = (64, 64)  # bf16 rows of 128 B
+    senders = Layout.of([param("w", shape, [(0, Box.full(shape))]), param("n", (8,), [(0, Box.full((8,)))])])
+    receivers = Layout.of(
+        [
+            param("w", shape, [(1, split_box(shape, 0, 4, 0)), (2, split_box(shape, 0, 4, 1))]),
+            param("n", (8,), [(1, Box.full((8,)))]),
+        ]
+    )
+    chunk_plan = assign_chunks(build_plan(senders, receivers), 1 << 20)
+    (chunk,) = rank_schedule(chunk_plan, 0, 3, direct_min_bytes=1024).chunks
+    to_1 = next(b for b in chunk.batches if b.peer == 1)
+    assert [[p.transfer.name for p in m.slices] for m in to_1.sends] == [["n"], ["w"]]
+    assert [m.nbytes for m in to_1.sends] == [16, 16 * 64 * 2]
+    (packed_only,) = rank_schedule(chunk_plan, 0, 3, direct_min_bytes=1 << 30).chunks
+    (message,) = next(b for b in packed_only.batches if b.peer == 1).sends
+    assert [(p.transfer.name, p.offset) for p in message.slices] == [("n", 0), ("w", 16)]
