@@ -22,7 +22,7 @@ from colocate_runtime.convert.layout import MegatronLayout, MegatronRank
 from colocate_runtime.convert.params import MegatronParam
 from colocate_runtime.convert.registry import stage_blocks
 from colocate_runtime.convert.spec import ModelSpec
-from colocate_runtime.shards import RankShards, TensorShard
+from colocate_runtime.shards import DTYPE_BYTES, RankShards, TensorShard
 
 ConvertedPiece = tuple[TensorShard, torch.Tensor]
 
@@ -70,29 +70,35 @@ class TrainerRankPlan:
     def _convert_chunk(self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]) -> list[ConvertedPiece]:
         where = f"trainer rank {self.rank} chunk {plan.vp_stage}"
         named = {strip_wrappers(name): t for name, t in tensors.items() if not name.endswith("_extra_state")}
-        chosen: list[tuple[str, MegatronParam]] = []
+        chosen: list[tuple[torch.Tensor, MegatronParam]] = []
+        used: set[str] = set()
         missing = []
         for param in plan.params:
-            name = next((n for n in param.names if n in named), None)
-            if name is not None:
-                chosen.append((name, param))
-            elif not param.optional:
-                missing.append(param.names[0])
+            for name in param.names:
+                if name in named:
+                    tensor = named[name]
+                    if tensor.shape != param.shape:
+                        raise ShapeMismatchError(
+                            name, param.shape, tuple(tensor.shape), f"{where} of {self.layout}"
+                        )
+                    chosen.append((tensor.detach(), param))
+                    used.add(name)
+                    break
+            else:
+                if not param.optional:
+                    missing.append(param.names[0])
         if missing:
             raise MissingTensorError(where, missing)
-        unexpected = sorted(set(named) - {name for name, _ in chosen})
-        if unexpected:
-            raise UnexpectedTensorError(where, unexpected)
-        for name, param in chosen:
-            if tuple(named[name].shape) != param.shape:
-                raise ShapeMismatchError(
-                    name, param.shape, tuple(named[name].shape), f"{where} of {self.layout}"
-                )
-        return [
-            (piece.shard, cast(piece.extract(named[name].detach()), piece.shard.dtype))
-            for name, param in chosen
-            for piece in param.pieces
-        ]
+        if len(used) != len(named):
+            raise UnexpectedTensorError(where, sorted(set(named) - used))
+        # The hot loop of a weight sync (tens of thousands of tensors): no work beyond the extract and a cast.
+        out = []
+        for tensor, param in chosen:
+            for piece in param.pieces:
+                data = piece.extract(tensor)
+                dtype = TORCH_DTYPES[piece.shard.dtype]
+                out.append((piece.shard, data if data.dtype == dtype else data.to(dtype)))
+        return out
 
 
 def strip_wrappers(name: str) -> str:
@@ -102,8 +108,7 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
-    return tensor.to(getattr(torch, dtype))
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
 def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) -> TrainerRankPlan:

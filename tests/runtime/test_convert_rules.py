@@ -372,7 +372,7 @@ def test_tied_embeddings_have_one_canonical_tensor() -> None:
     chunks = megatron_chunks(untied, origin_tensors(canonical_tensors(untied)), Parallel(), MegatronRank())
     del chunks[0]["output_layer.weight"]
     with pytest.raises(MissingTensorError, match=r"output_layer\.weight"):
-        trainer_plan(untied, MegatronLayout(), MegatronRank()).convert(chunks)
+        trainer_plan(untied, Parallel().layout(2), MegatronRank()).convert(chunks)
 
 
 def small_qwen3_moe(num_experts: int = 8, dtype: str = "float64") -> ModelSpec:
