@@ -14,12 +14,14 @@ no mapping of any earlier step is still open; the writer relies on that to free 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import os
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -213,6 +215,13 @@ class WeightReader:
     def _try_step(self, gen: int, step: int) -> StepReport | None:
         if self.last_applied is not None and (gen, step) <= self.last_applied:
             return None  # a duplicate notification
+        # No automatic collection between the notification and the ACK: with a serving process's heap one
+        # costs 100+ ms. The forced close still collects explicitly when it must.
+        with _automatic_gc_paused():
+            return self._fetch_and_apply(gen, step)
+
+    def _fetch_and_apply(self, gen: int, step: int) -> StepReport | None:
+        t0 = time.perf_counter()
         blob = self.store.read_manifest(gen, step, self.uuid)
         if blob is None:
             log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
@@ -233,15 +242,15 @@ class WeightReader:
             )
             self.store.write_ack(gen, step, self.uuid, ack)
             raise StepFailed(f"step {step}: {err}", step=step) from None
-        return self.apply(manifest)
+        return self.apply(manifest, fetch_s=time.perf_counter() - t0)
 
     # --- one step -----------------------------------------------------------------------------------------
 
-    def apply(self, manifest: Manifest) -> StepReport:
+    def apply(self, manifest: Manifest, *, fetch_s: float = 0.0) -> StepReport:
         """Open, copy, close, verify, ACK. The caller must have claimed the step."""
         gen, step = manifest.gen, manifest.step
         self._state = "applying"
-        seconds: dict[str, float] = {}
+        seconds: dict[str, float] = {"fetch": fetch_s} if fetch_s else {}
         scope = ImportScope()
         t0 = time.perf_counter()
         copied = 0
@@ -254,6 +263,7 @@ class WeightReader:
             t1 = time.perf_counter()
             seconds["open"] = t1 - t0
             copied = self._copy(manifest, scope)
+            self.importer.synchronize()  # the copy phase ends when the device is done with it
             seconds["copy"] = time.perf_counter() - t1
         except BaseException as err:
             # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
@@ -331,8 +341,8 @@ class WeightReader:
                 )
             view = entry_view(scope.bucket(e.bucket), e)
             self._plan_entry(e, view, target, plan)
-        if plan.direct_dst:
-            torch._foreach_copy_(plan.direct_dst, plan.direct_src)
+        for dst, src in zip(plan.direct_dst, plan.direct_src, strict=True):
+            dst.copy_(src)
         plan.direct_dst.clear()
         plan.direct_src.clear()
         missing = {n: t for n, t in self.targets.items() if plan.covered.get(n, 0) < t.numel()}
@@ -500,6 +510,17 @@ class WeightReader:
             weight_version=manifest.weight_version,
             error=str(error),
         )
+
+
+@contextlib.contextmanager
+def _automatic_gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

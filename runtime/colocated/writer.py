@@ -107,12 +107,14 @@ class WeightWriter:
         self._finished_steps: deque[int] = deque()
         self._state = "idle"
         self._heartbeat: Heartbeat | None = None
+        self._run_id = ""
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
     def start(self) -> int:
         """Begin a trainer incarnation (a new `gen`) and start heartbeating. Returns the generation."""
         self.gen = self.store.start_incarnation()
+        self._run_id = self.store.server_run_id()
         gen = self.gen
         self._heartbeat = Heartbeat(
             self.store,
@@ -227,7 +229,7 @@ class WeightWriter:
                 entries=plan.entries,
                 checksums=sums,
             )
-            run_id = self.store.server_run_id()
+            run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
             self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest))
         except BaseException:
             # Nothing was announced (or the announcement failed): no reader can hold these buckets.
@@ -395,6 +397,7 @@ class WeightWriter:
 
     def _check_restart(self, pending: PendingStep) -> None:
         """Redis restarted: our gen goes back; if the step's manifest is gone, nobody can finish the step."""
+        self._run_id = self.store.server_run_id()
         self.store.restore_gen(pending.gen)
         if not self.store.manifest_exists(pending.gen, pending.step, self.uuid):
             self._park(pending)
@@ -408,7 +411,7 @@ class WeightWriter:
                     freed=False,
                 ),
             )
-        pending.run_id = self.store.server_run_id()
+        pending.run_id = self._run_id
 
     def _reader_was_here(self, pending: PendingStep, reader: PeerWatch) -> bool:
         """A silent reader that was never seen may just be starting: it is lost only if it had claimed."""
