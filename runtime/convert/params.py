@@ -64,16 +64,18 @@ class Placement:
             raise ShardError(f"{self.shard.name}: placement offsets {self.offsets} do not match its box")
 
     def target(self, box: Box) -> tuple[int | slice, ...]:
-        """The parameter's index expression for a sub-box of this placement's box (a received piece)."""
-        if not self.shard.box.contains(box):
-            raise ShardError(
-                f"{self.shard.name}: received box {box} is outside this rank's box {self.shard.box}"
-            )
-        inner = box.relative_to(self.shard.box)
-        return self.index + tuple(
-            slice(o + i, o + i + n)
-            for o, i, n in zip(self.offsets, inner.offsets, inner.lengths, strict=True)
-        )
+        """The parameter's index expression for a sub-box of this placement's box (a received piece).
+
+        Called once per received piece in every weight sync, so it is plain arithmetic (no Box objects)."""
+        home = self.shard.box
+        if box == home:
+            starts, lengths = self.offsets, home.lengths
+        else:
+            if box.ndim != home.ndim or not home.contains(box):
+                raise ShardError(f"{self.shard.name}: received box {box} is outside this rank's box {home}")
+            starts = tuple(o + b - h for o, b, h in zip(self.offsets, box.offsets, home.offsets, strict=True))
+            lengths = box.lengths
+        return self.index + tuple(slice(s, s + n) for s, n in zip(starts, lengths, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

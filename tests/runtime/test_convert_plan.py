@@ -41,7 +41,10 @@ SPEC = model_spec(
         (Parallel(tp=2, pp=1, ep=2, etp=2), SGLangLayout(tp=2, ep=2)),
     ],
 )
-def test_plan_from_converter_metadata_fills_sglang_parameters(par: Parallel, layout: SGLangLayout) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["write", "write_many"])
+def test_plan_from_converter_metadata_fills_sglang_parameters(
+    par: Parallel, layout: SGLangLayout, batched: bool
+) -> None:
     catalogue = canonical_tensors(SPEC)
     canonical = {name: t.float() for name, t in origin_tensors(catalogue).items()}
     megatron = par.layout(SPEC.num_layers)
@@ -63,10 +66,17 @@ def test_plan_from_converter_metadata_fills_sglang_parameters(par: Parallel, lay
         rank_id: {n: torch.zeros(shape) for n, shape in p.param_shapes().items()}
         for rank_id, p in plans.items()
     }
+    received: dict[int, list] = {rank_id: [] for rank_id in plans}
     for t in transfer_plan.transfers:
         piece = held[t.src][t.name][index(t.src_box)]
         shard = TensorShard(t.name, catalogue[t.name].shape, t.dst_dtype, t.region)
-        plans[t.dst].write(params[t.dst], shard, piece.to(getattr(torch, t.dst_dtype)))
+        received[t.dst].append((shard, piece.to(getattr(torch, t.dst_dtype))))
+    for rank_id, pieces in received.items():
+        if batched:
+            plans[rank_id].write_many(params[rank_id], pieces)
+        else:
+            for shard, data in pieces:
+                plans[rank_id].write(params[rank_id], shard, data)
     for rank_id, p in plans.items():
         expected = sglang_params(SPEC, canonical, layout, p.tp_rank)
         for name, tensor in expected.items():
