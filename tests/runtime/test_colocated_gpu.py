@@ -1,6 +1,6 @@
 """GPU path: two processes on one GPU with real CUDA IPC (skipped where there is no CUDA).
 
-Run on an H200 with `bash bench/colocated_device.sh test` (see bench/README_colocated.md).
+Run on an H200 with `bash bench/colocated_device.sh test` (the script says how to prepare and carry it).
 """
 
 from __future__ import annotations
