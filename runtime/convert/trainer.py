@@ -128,7 +128,11 @@ def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) ->
             for param in block.megatron(groups, "" if layer is None else f"decoder.layers.{local[layer]}.")
         )
         chunks.append(ChunkPlan(vp, layers, params))
-    return TrainerRankPlan(spec, layout, rank, tuple(chunks))
+    plan = TrainerRankPlan(spec, layout, rank, tuple(chunks))
+    names = [shard.name for shard in plan.shards()]
+    if len(set(names)) != len(names):  # the transfer plan addresses a rank's piece by name alone
+        raise ConvertError(f"trainer rank {rank}: a canonical tensor is produced twice")
+    return plan
 
 
 def convert_trainer_rank(
