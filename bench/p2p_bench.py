@@ -290,6 +290,7 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) 
         pipeline_depth=args.depth,
         timeout_s=300.0,
         direct_min_bytes=int(args.direct_min_mb * (1 << 20)),
+        one_batch_per_peer=not args.split_batches,
     )
     timer = Timer(device, args.warmup, args.iters)
     rows = []
@@ -373,6 +374,7 @@ def print_table(args: argparse.Namespace, result: dict) -> None:
         f"p2p bench: preset {args.preset}, {result['tensors']} tensors, {_gb(result['model_bytes'])} bf16, "
         f"2 x {args.device}, budget {args.budget_mb} MiB, pipeline depth {args.depth}, "
         f"own message from {args.direct_min_mb:g} MiB, "
+        f"{'one batch per message pair' if args.split_batches else 'one batch per peer'}, "
         f"median of {args.iters} after {args.warmup} warm-up"
     )
     header = (
@@ -409,6 +411,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2, help="chunks in flight")
     parser.add_argument(
         "--direct-min-mb", type=float, default=16.0, help="slices this big get their own message, unpacked"
+    )
+    parser.add_argument(
+        "--split-batches", action="store_true", help="one batch per message pair instead of one per peer"
     )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)

@@ -29,6 +29,8 @@ class ExecutorConfig:
     trace: record (and log at INFO) when each peer batch is enqueued and drained.
     direct_min_bytes: slices at least this big travel as their own message and move in place when their
         tensor is dense (and, sending, already in the wire dtype); smaller ones are packed per peer.
+    one_batch_per_peer: all messages with one peer in one chunk go in one batch_isend_irecv; False posts
+        message k of both directions as its own batch (for measurements; both ends must agree).
     Ranks agree on the smallest budget and the smallest direct_min_bytes configured among them.
     """
 
@@ -37,6 +39,7 @@ class ExecutorConfig:
     timeout_s: float = 120.0
     trace: bool = False
     direct_min_bytes: int = DIRECT_MIN_BYTES
+    one_batch_per_peer: bool = True
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:

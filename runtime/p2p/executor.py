@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -43,8 +43,13 @@ from colocate_runtime.shards import ShardError
 log = logging.getLogger("colocate_runtime.p2p")
 
 # Poll interval bounds while waiting for a batch: short enough not to idle the link between chunks.
-_POLL_MIN_S = 2e-5
-_POLL_MAX_S = 2e-4
+_POLL_SPINS = 20_000
+_POLL_SLEEP_S = 1e-3
+# Chunks the host may post before confirming older ones, and the queued launches (copies and messages)
+# behind unconfirmed chunks beyond which it waits: a stuck peer must show as a timeout, not as the host
+# blocking in a full CUDA launch queue.
+_RUN_AHEAD_CHUNKS = 4
+_MAX_QUEUED_LAUNCHES = 512
 # Bytes exchanged with each peer when the exchange is created, to open the NCCL connection up front.
 _CONNECT_BYTES = 1 << 20
 _TAGS_PER_CHUNK = 1 << 12
@@ -341,15 +346,23 @@ class P2PExchange:
     def _exchange(
         self, chunks: list[_BoundChunk], arena: Arena, trace: list[TraceEvent], start: float
     ) -> None:
-        """Pack and post chunk c, then drain and unpack chunk c - depth + 1: with depth 2 the packing of one
-        chunk and the unpacking of the previous overlap the wire of the current one."""
+        """Post chunk c (pack, then the peer batches in round order), then drain chunk c - depth + 1.
+
+        On CUDA a drain only orders streams and queues the unpacking: staging reuse is safe by stream order,
+        so the host never waits for the wire here. It confirms finished chunks lazily (for timeouts and
+        the trace) and blocks only when too much work is queued. On CPU transports a drain waits."""
         in_flight: deque[tuple[int, list[_Posted]]] = deque()
+        unconfirmed: deque[tuple[int, list[_Posted], int]] = deque()
+        n = len(chunks)
+        keep = 0 if self.config.trace else _RUN_AHEAD_CHUNKS
         for chunk in chunks:
+            self._confirm(unconfirmed, keep, n, trace, start)
             in_flight.append((chunk.index, self._post(chunk, arena.slot(chunk.index), trace, start)))
             if len(in_flight) >= self.config.pipeline_depth:
-                self._drain(*in_flight.popleft(), len(chunks), trace, start)
+                self._drain(*in_flight.popleft(), unconfirmed, n, trace, start)
         while in_flight:
-            self._drain(*in_flight.popleft(), len(chunks), trace, start)
+            self._drain(*in_flight.popleft(), unconfirmed, n, trace, start)
+        self._confirm(unconfirmed, 0, n, trace, start)
 
     def _post(
         self, chunk: _BoundChunk, slot: torch.Tensor, trace: list[TraceEvent], start: float
@@ -367,31 +380,71 @@ class P2PExchange:
         posted = []
         for b in chunk.batches:
             peer = b.batch.peer
-            ops = []
-            for kind, side in ((dist.isend, b.sends), (dist.irecv, b.recvs)):
-                for k, op in enumerate(side):
-                    buffer = op.direct if op.direct is not None else op.staging
-                    # Tags keep messages apart on transports that match by tag (gloo); NCCL ignores them.
-                    tag = (chunk.index * _TAGS_PER_CHUNK + k) % _TAG_LIMIT
-                    ops.append(dist.P2POp(kind, buffer, group=self.group, group_peer=peer, tag=tag))
-            works = dist.batch_isend_irecv(ops)
+            sends = [self._p2p(dist.isend, op, peer, chunk.index, k) for k, op in enumerate(b.sends)]
+            recvs = [self._p2p(dist.irecv, op, peer, chunk.index, k) for k, op in enumerate(b.recvs)]
+            if self.config.one_batch_per_peer:
+                groups = [sends + recvs]
+            else:
+                # Message k of each direction together: still symmetric between the two ends, so just as
+                # deadlock-free, but NCCL gets one small group per launch instead of one long one.
+                groups = [sends[k : k + 1] + recvs[k : k + 1] for k in range(max(len(sends), len(recvs)))]
+            works = [w for g in groups for w in dist.batch_isend_irecv(g) if w is not None]
             self._trace(trace, start, chunk.index, b, "enqueued")
-            posted.append(_Posted(b, [w for w in works if w is not None]))
+            posted.append(_Posted(b, works))
         return posted
 
+    def _p2p(self, kind: Callable, op: _Op, peer: int, chunk: int, k: int) -> dist.P2POp:
+        buffer = op.direct if op.direct is not None else op.staging
+        # Tags keep messages apart on transports that match by tag (gloo); NCCL ignores them.
+        tag = (chunk * _TAGS_PER_CHUNK + k) % _TAG_LIMIT
+        return dist.P2POp(kind, buffer, group=self.group, group_peer=peer, tag=tag)
+
     def _drain(
-        self, index: int, posted: list[_Posted], n_chunks: int, trace: list[TraceEvent], start: float
+        self,
+        index: int,
+        posted: list[_Posted],
+        unconfirmed: deque[tuple[int, list[_Posted], int]],
+        n_chunks: int,
+        trace: list[TraceEvent],
+        start: float,
     ) -> None:
+        launches = 0
         for p in posted:
-            self._await(p, index, n_chunks)
-            self._trace(trace, start, index, p.bound, "drained")
+            if self._polls:
+                for w in p.works:
+                    w.wait()  # NCCL: the current stream waits for the wire; the host goes on
+            else:
+                self._await(p, index, n_chunks)
+                self._trace(trace, start, index, p.bound, "drained")
             for op in p.bound.sends:
                 op.staging = None
             for op in p.bound.recvs:
                 if op.staging is not None:
                     for view, at, dtype, shape in op.items:
                         view.copy_(typed_view(op.staging, at, dtype, shape))
+                        launches += 1
                     op.staging = None
+            launches += len(p.works)
+        if self._polls:
+            unconfirmed.append((index, posted, launches))
+
+    def _confirm(
+        self,
+        unconfirmed: deque[tuple[int, list[_Posted], int]],
+        keep: int,
+        n_chunks: int,
+        trace: list[TraceEvent],
+        start: float,
+    ) -> None:
+        """Wait (with the deadline) for the oldest chunks until at most `keep` stay unconfirmed and the
+        work queued behind them is small enough that a stuck peer cannot block the host in a launch."""
+        while unconfirmed and (
+            len(unconfirmed) > keep or sum(n for _, _, n in unconfirmed) > _MAX_QUEUED_LAUNCHES
+        ):
+            index, posted, _ = unconfirmed.popleft()
+            for p in posted:
+                self._await(p, index, n_chunks)
+                self._trace(trace, start, index, p.bound, "drained")
 
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
         batch = posted.bound.batch
@@ -415,12 +468,13 @@ class P2PExchange:
         """Whether `works` completed before `deadline`. NCCL works are polled (their wait() only orders
         streams); CPU transports block in a wait() that is given the remaining time."""
         if self._polls:
-            pause = _POLL_MIN_S
+            spins = 0
             while not all(w.is_completed() for w in works):
                 if time.monotonic() > deadline:
                     return False
-                time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX_S)
+                # Yield first (sleep granularity on VMs can exceed a chunk's time on the wire), then back off.
+                spins += 1
+                time.sleep(0 if spins < _POLL_SPINS else _POLL_SLEEP_S)
             for w in works:
                 w.wait()
             return True
