@@ -14,6 +14,7 @@ from typing import Any
 from colocate_runtime.convert.architecture import Architecture, Block
 from colocate_runtime.convert.attention import AttentionNames, grouped_attention
 from colocate_runtime.convert.embedding import input_embedding, output_head
+from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.hf_config import head_dim, model_dtype, optional_dtype, require
 from colocate_runtime.convert.lightning import lightning_attention
 from colocate_runtime.convert.mlp import GatedMLP
@@ -31,6 +32,9 @@ SOFTMAX_ATTENTION = AttentionNames(
 
 
 def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
+    if config.get("norm_head"):
+        # L2-normalising lm_head over the vocabulary needs every vocab shard at once; not a per-rank rule.
+        raise UnsupportedLayoutError("bailing_moe: norm_head=True (normalised lm_head) is not supported")
     layers = int(require(config, "num_hidden_layers"))
     heads = int(require(config, "num_attention_heads"))
     group = int(config.get("layer_group_size") or 0)

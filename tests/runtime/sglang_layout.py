@@ -66,12 +66,16 @@ def sglang_params(
         attn = "self_attn" if "self_attn.o_proj.weight" in t else "attention"
         a = f"{p}{attn}."
         if f"{attn}.kv_b_proj.weight" in t:
-            out[a + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
-                [t[f"{attn}.q_a_proj.weight"], t[f"{attn}.kv_a_proj_with_mqa.weight"]]
-            )
-            out[a + "q_a_layernorm.weight"] = t[f"{attn}.q_a_layernorm.weight"]
+            if f"{attn}.q_a_proj.weight" in t:
+                out[a + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
+                    [t[f"{attn}.q_a_proj.weight"], t[f"{attn}.kv_a_proj_with_mqa.weight"]]
+                )
+                out[a + "q_a_layernorm.weight"] = t[f"{attn}.q_a_layernorm.weight"]
+                out[a + "q_b_proj.weight"] = _part(t[f"{attn}.q_b_proj.weight"], attn_tp, attn_rank)
+            else:  # DeepSeek-V2-Lite style: queries projected directly, kv_a replicated on its own
+                out[a + "kv_a_proj_with_mqa.weight"] = t[f"{attn}.kv_a_proj_with_mqa.weight"]
+                out[a + "q_proj.weight"] = _part(t[f"{attn}.q_proj.weight"], attn_tp, attn_rank)
             out[a + "kv_a_layernorm.weight"] = t[f"{attn}.kv_a_layernorm.weight"]
-            out[a + "q_b_proj.weight"] = _part(t[f"{attn}.q_b_proj.weight"], attn_tp, attn_rank)
             out[a + "kv_b_proj.weight"] = _part(t[f"{attn}.kv_b_proj.weight"], attn_tp, attn_rank)
             out[a + "o_proj.weight"] = _part(t[f"{attn}.o_proj.weight"], attn_tp, attn_rank, dim=1)
         else:

@@ -74,6 +74,22 @@ def test_config_without_a_required_field() -> None:
         model_spec(config)
 
 
+def test_bailing_normalised_lm_head_is_refused() -> None:
+    config = dict(
+        model_type="bailing_moe",
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=20,
+        intermediate_size=8,
+        moe_intermediate_size=4,
+        num_experts=4,
+        norm_head=True,
+    )
+    with pytest.raises(UnsupportedLayoutError, match="norm_head"):
+        model_spec(config)
+
+
 def test_missing_tensor_is_named(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
     par = Parallel(tp=2, pp=2)
     chunks = megatron_chunks(spec, canonical, par, MegatronRank(tp_rank=1, pp_rank=1))

@@ -223,7 +223,7 @@ def test_mla_fused_qkv_a_is_the_plain_concatenation_on_every_rank() -> None:
         assert up.pieces[0].shard.box == Box((tp_rank * 64 * 192, 0), (64 * 192, 1536))
 
 
-def tiny_deepseek(dtype: str = "float64") -> ModelSpec:
+def tiny_deepseek(dtype: str = "float64", q_lora_rank: int | None = 6) -> ModelSpec:
     return model_spec(
         dict(
             model_type="deepseek_v3",
@@ -236,7 +236,7 @@ def tiny_deepseek(dtype: str = "float64") -> ModelSpec:
             n_routed_experts=4,
             n_shared_experts=1,
             first_k_dense_replace=1,
-            q_lora_rank=6,
+            q_lora_rank=q_lora_rank,
             kv_lora_rank=4,
             qk_rope_head_dim=2,
             qk_nope_head_dim=2,
@@ -268,6 +268,21 @@ def test_mla_fused_qkv_a_values_reach_every_sglang_rank_whole() -> None:
     for tp_rank in range(4):
         params = deliver(inference_plan(spec, SGLangLayout(tp=4), tp_rank), pieces)
         assert torch.equal(params["model.layers.1.self_attn.fused_qkv_a_proj_with_mqa.weight"], plain)
+
+
+def test_mla_without_query_compression_keeps_kv_a_unfused() -> None:
+    spec = tiny_deepseek(q_lora_rank=None)
+    canonical = origin_tensors(canonical_tensors(spec))
+    assert "model.layers.0.self_attn.q_proj.weight" in canonical
+    pieces = trainer_pieces(spec, canonical, Parallel(tp=2, ep=2))
+    layout = SGLangLayout(tp=4, ep=2)
+    for tp_rank in range(4):
+        params = deliver(inference_plan(spec, layout, tp_rank), pieces)
+        expected = sglang_params(spec, canonical, layout, tp_rank)
+        assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" not in params
+        assert set(params) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(params[name], tensor), (tp_rank, name)
 
 
 def test_mla_down_projection_split_by_tp_is_rejected() -> None:
