@@ -1,7 +1,9 @@
 """kopf wiring, deliberately thin: every trigger just asks the Reconciler for a pass over one job.
 
-Triggers: resume (operator start), create, spec update, a periodic timer (the level-based safety net),
-and watch events of the job's pods and Redis Deployment (prompt reaction to failures and readiness).
+Triggers: resume (operator start), create, spec update, watch events of the job's pods and Redis Deployment
+(prompt reaction to failures and readiness), and a periodic resync of every known job (the level-based
+safety net; one operator-wide thread, see Reconciler.resync_forever). No handler needs a finalizer, so
+deleting a job never waits for the operator: garbage collection removes the children.
 All handlers are sync functions: kopf runs them in its thread pool, so the blocking HTTP client never
 stalls the event loop. They return None, so nothing lands in status.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from typing import Any
 
 import kopf
@@ -30,11 +33,11 @@ from colocate_operator.kube import Kube
 from colocate_operator.reconciler import Reconciler
 
 JOB = (GROUP, VERSION, PLURAL)
-_ROUTINE = re.compile(r"^(Timer|Handler) '(periodic|pod|metastore)' succeeded\.$")
+_ROUTINE = re.compile(r"^Handler '(pod|metastore)' succeeded\.$")
 
 
 class _DropRoutineSuccess(logging.Filter):
-    """kopf logs every timer tick and watch event as "succeeded" at INFO; with many jobs that is noise."""
+    """kopf logs every watched pod event as "succeeded" at INFO; with many jobs that is noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO and _ROUTINE.match(str(record.msg)))
@@ -54,20 +57,27 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=KOPF_PREFIX, key="last-handled-configuration"
         )
-        settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: no deletion handlers
+        settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: nothing requires one
         settings.execution.max_workers = 16
         settings.networking.connect_timeout = 10
         logging.getLogger("kopf.objects").addFilter(_DropRoutineSuccess())
         memo.reconciler = Reconciler(kube or Kube.from_environment(), config)
+        memo.resync_stop = threading.Event()
+        threading.Thread(
+            target=memo.reconciler.resync_forever,
+            name="resync",
+            daemon=True,
+            args=(config.reconcile_interval_seconds, memo.resync_stop),
+        ).start()
+
+    @kopf.on.cleanup(id="stop-resync", registry=registry)
+    def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+        memo.resync_stop.set()
 
     @kopf.on.resume(*JOB, id="resume", registry=registry)
     @kopf.on.create(*JOB, id="create", registry=registry)
     @kopf.on.update(*JOB, id="update", field="spec", registry=registry)
     def reconcile_on_change(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.reconcile(namespace, name)
-
-    @kopf.timer(*JOB, id="periodic", interval=config.reconcile_interval_seconds, registry=registry)
-    def reconcile_periodically(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.reconcile(namespace, name)
 
     @kopf.on.event(

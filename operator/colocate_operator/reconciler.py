@@ -2,8 +2,8 @@
 
 Every pass reads the job and its children fresh from the API server (never from a cache that may lag
 behind our own last write), calls the pure `decide`, applies the plan and writes status in one merge patch
-guarded by the job's resourceVersion. Passes for one job never overlap: callers (kopf handlers, timers,
-pod events, requeues) go through `reconcile`, which serialises per job and coalesces callers that arrive
+guarded by the job's resourceVersion. Passes for one job never overlap: callers (kopf handlers, the resync
+thread, requeue timers) go through `reconcile`, which serialises per job and coalesces callers that arrive
 while a pass is already waiting.
 """
 
@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -59,6 +60,23 @@ class Reconciler:
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._slots_lock = threading.Lock()
         self._instance = socket.gethostname()
+
+    # Periodic resync -------------------------------------------------------------------------------------
+
+    def known_jobs(self) -> list[tuple[str, str]]:
+        with self._slots_lock:
+            return list(self._slots)
+
+    def resync_forever(self, interval: float, stop: threading.Event, workers: int = 4) -> None:
+        """The level-based safety net: every `interval`, one pass over every job this process has seen.
+
+        One thread for all jobs instead of kopf's per-object timers: those make kopf put a finalizer on
+        every job, and a finalizer blocks deleting a job while the operator is down.
+        """
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resync") as pool:
+            while not stop.wait(interval):
+                for key in self.known_jobs():
+                    pool.submit(self.reconcile, *key)
 
     # Serialisation ---------------------------------------------------------------------------------------
 

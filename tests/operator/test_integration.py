@@ -125,7 +125,7 @@ def test_happy_path_both_containers_share_one_allocated_claim(
     print(f"\n[happy path] apply -> Running: {elapsed:.1f} s")
 
 
-def test_every_child_is_owned_and_garbage_collected(
+def test_every_child_is_owned_and_garbage_collected_even_with_the_operator_down(
     cluster, namespace: str, operator_process: OperatorProcess
 ) -> None:
     apply_job(cluster, namespace)
@@ -148,7 +148,10 @@ def test_every_child_is_owned_and_garbage_collected(
         assert [(r["uid"], r["controller"]) for r in refs] == [(uid, True)], child["metadata"]["name"]
     assert len(get(cluster, namespace, "resourceclaims")["items"]) == 2
 
-    cluster.kubectl("delete", "colocatejob", "demo", "-n", namespace, "--wait=false")
+    assert not get(cluster, namespace, "colocatejob", "demo")["metadata"].get("finalizers")
+    # With the operator down, deletion must not wait for it: ownerReferences, no finalizers.
+    operator_process.stop()
+    cluster.kubectl("delete", "colocatejob", "demo", "-n", namespace, "--timeout=30s")
 
     def leftovers() -> list[str]:
         kinds_all = f"{kinds},replicasets,resourceclaims"
@@ -469,3 +472,25 @@ def test_immutable_fields_rejected_on_update(cluster, crd, namespace: str) -> No
         "-p",
         json.dumps({"spec": {"suspend": True, "trainer": {"image": "t:2"}}}),
     )
+
+
+def test_periodic_resync_repairs_children_nobody_watches(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace)
+    wait_phase(cluster, namespace, "Running")
+    old = get(cluster, namespace, "service", "demo")["metadata"]["uid"]
+    # The operator watches pods and the Redis Deployment, not Services or NetworkPolicies: only the
+    # periodic resync (2 s in these tests) can notice these are gone.
+    cluster.kubectl("delete", "service", "demo", "-n", namespace)
+    cluster.kubectl("delete", "networkpolicy", "demo-metastore", "-n", namespace)
+
+    def repaired() -> bool:
+        services = get(cluster, namespace, "services", "-l", "colocate.dev/job=demo")["items"]
+        policies = get(cluster, namespace, "networkpolicies")["items"]
+        return any(
+            s["metadata"]["name"] == "demo" and s["metadata"]["uid"] != old for s in services
+        ) and bool(policies)
+
+    wait_for(repaired, 30, "headless Service and NetworkPolicy recreated")
+    assert job_status(cluster, namespace)["restarts"] == 0
