@@ -9,10 +9,11 @@ kept; entry offsets are aligned so every view is aligned for any dtype and vecto
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from colocate_runtime.shards import ShardError, TensorShard, dtype_bytes, stable_hash
+from colocate_runtime.shards import DTYPE_BYTES, ShardError, TensorShard, dtype_bytes, stable_hash
 
 ALIGN_BYTES = 256
 
@@ -150,7 +151,9 @@ def check_plan(plan: BucketPlan, bucket_bytes: int | None = None, *, align: int 
             raise BucketPlanError(f"{e.name}: bucket {e.bucket} does not exist")
         if e.dtype != bucket.dtype:
             raise BucketPlanError(f"{e.name}: dtype {e.dtype} in a {bucket.dtype} bucket")
-        expected = EntrySpec(e.name, e.dtype, e.shape).nbytes
+        if e.dtype not in DTYPE_BYTES:
+            raise BucketPlanError(f"{e.name}: unsupported dtype {e.dtype!r}")
+        expected = math.prod(e.shape) * DTYPE_BYTES[e.dtype]
         if e.nbytes != expected:
             raise BucketPlanError(f"{e.name}: {e.nbytes} bytes recorded, shape and dtype give {expected}")
         if e.offset < 0 or e.offset % align or e.offset + e.nbytes > bucket.nbytes:

@@ -126,16 +126,27 @@ def decode_manifest(
             raise ManifestError("manifest entry columns have different lengths")
         entries = tuple(
             PlacedEntry(
-                name=str(cols["name"][i]),
-                dtype=str(cols["dtype"][i]),
-                shape=tuple(int(d) for d in cols["shape"][i]),
-                bucket=int(cols["bucket"][i]),
-                offset=int(cols["offset"][i]),
-                nbytes=int(cols["nbytes"][i]),
-                shard=None if cols["shard"][i] is None else TensorShard.from_json(cols["shard"][i]),
+                name,
+                dtype,
+                _shape(shape),
+                _int(bucket),
+                _int(offset),
+                _int(nbytes),
+                None if shard is None else TensorShard.from_json(shard),
             )
-            for i in range(n)
+            for name, dtype, shape, bucket, offset, nbytes, shard in zip(
+                cols["name"],
+                cols["dtype"],
+                cols["shape"],
+                cols["bucket"],
+                cols["offset"],
+                cols["nbytes"],
+                cols["shard"],
+                strict=True,
+            )
         )
+        if not all(type(e.name) is str and type(e.dtype) is str for e in entries):
+            raise ManifestError("manifest entry names and dtypes must be strings")
         buckets = tuple(
             BucketRecord(int(b["index"]), str(b["dtype"]), int(b["nbytes"]), _descriptor(b["descriptor"]))
             for b in doc["buckets"]
@@ -173,6 +184,19 @@ def decode_manifest(
         if e.shard is not None and (e.shard.name != e.name or e.shard.box.lengths != e.shape):
             raise ManifestError(f"{e.name}: shard {e.shard} does not describe the entry")
     return m
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise ManifestError(f"expected an integer, got {type(value).__name__}")
+    return value
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    shape = tuple(value)
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ManifestError(f"shape {value!r} is not a list of non-negative integers")
+    return shape
 
 
 def _descriptor(raw: Any) -> Descriptor:

@@ -46,9 +46,9 @@ from colocate_runtime.colocated.outcome import (
     StepTimedOut,
 )
 from colocate_runtime.colocated.transport import BucketImporter
-from colocate_runtime.colocated.views import dtype_name, entry_view
+from colocate_runtime.colocated.views import dtype_name, entry_view, torch_dtype
 from colocate_runtime.colocated.waits import Deadline
-from colocate_runtime.shards import Box, TensorShard
+from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,23 @@ class Exchange(Protocol):
 
 
 @dataclass(slots=True)
+class _BucketProgram:
+    index: int
+    dtype: torch.dtype
+    sizes: list[int]  # split sizes in elements, covering the whole bucket (padding included)
+    copies: list[tuple[int, torch.Tensor, tuple[int, ...] | None]]  # chunk, destination, shape if strided
+
+
+@dataclass(slots=True)
+class _CopyProgram:
+    buckets: list[_BucketProgram] = field(default_factory=list)
+    sharded: list[PlacedEntry] = field(default_factory=list)
+    extra: dict[str, PlacedEntry] = field(default_factory=dict)
+    covered: dict[str, int] = field(default_factory=dict)
+    copied_bytes: int = 0
+
+
+@dataclass(slots=True)
 class _CopyPlan:
     direct_dst: list[torch.Tensor] = field(default_factory=list)
     direct_src: list[torch.Tensor] = field(default_factory=list)
@@ -133,6 +150,7 @@ class WeightReader:
         self._heartbeat: Heartbeat | None = None
         self._watch: tuple[int | None, PeerWatch] | None = None
         self._lost_gen: int | None = None
+        self._programs: dict[tuple, _CopyProgram] = {}
         for name, shard in self.target_shards.items():
             t = self.targets.get(name)
             if t is None or tuple(t.shape) != shard.box.lengths:
@@ -326,25 +344,23 @@ class WeightReader:
 
     @torch.no_grad()
     def _copy(self, manifest: Manifest, scope: ImportScope) -> int:
-        plan = _CopyPlan()
-        extra: dict[str, PlacedEntry] = {}
-        for e in manifest.entries:
-            target = self.targets.get(e.name)
-            if target is None:
-                extra[e.name] = e
-                continue
-            if dtype_name(target.dtype) != e.dtype:
-                raise StepFailed(
-                    f"{e.name}: trainer sent {e.dtype}, the parameter is {dtype_name(target.dtype)}; "
-                    "the converter must emit the receiver's dtype",
-                    step=manifest.step,
-                )
-            view = entry_view(scope.bucket(e.bucket), e)
-            self._plan_entry(e, view, target, plan)
+        program = self._program(manifest)
+        # Whole-parameter entries: one split per bucket (a single call makes every entry's view), then one
+        # copy per entry, so the device starts copying while the host is still issuing.
+        for bp in program.buckets:
+            chunks = scope.bucket(bp.index).view(bp.dtype).split(bp.sizes)
+            for chunk_index, dst, shape in bp.copies:
+                src = chunks[chunk_index]
+                dst.copy_(src if shape is None else src.view(shape))
+            del chunks
+        plan = _CopyPlan(covered=dict(program.covered), copied_bytes=program.copied_bytes)
+        for e in program.sharded:
+            self._plan_entry(e, entry_view(scope.bucket(e.bucket), e), self.targets[e.name], plan)
         for dst, src in zip(plan.direct_dst, plan.direct_src, strict=True):
             dst.copy_(src)
         plan.direct_dst.clear()
         plan.direct_src.clear()
+        extra = program.extra
         missing = {n: t for n, t in self.targets.items() if plan.covered.get(n, 0) < t.numel()}
         if extra and self.exchange is None and not self.settings.allow_extra_entries:
             raise CoverageError(
@@ -370,6 +386,76 @@ class WeightReader:
                 step=manifest.step,
             )
         return plan.copied_bytes
+
+    def _program(self, manifest: Manifest) -> _CopyProgram:
+        """The copy program of a layout, built (and checked) once: layouts repeat from step to step."""
+        key = (
+            tuple((b.index, b.dtype, b.nbytes) for b in manifest.buckets),
+            tuple(
+                (e.name, e.dtype, e.shape, e.bucket, e.offset, e.nbytes, e.shard) for e in manifest.entries
+            ),
+        )
+        program = self._programs.get(key)
+        if program is None:
+            program = self._build_program(manifest)
+            if len(self._programs) >= 4:
+                self._programs.clear()
+            self._programs[key] = program
+        return program
+
+    def _build_program(self, manifest: Manifest) -> _CopyProgram:
+        program = _CopyProgram()
+        direct: dict[int, list[PlacedEntry]] = {}
+        for e in manifest.entries:
+            target = self.targets.get(e.name)
+            if target is None:
+                program.extra[e.name] = e
+                continue
+            if dtype_name(target.dtype) != e.dtype:
+                raise StepFailed(
+                    f"{e.name}: trainer sent {e.dtype}, the parameter is {dtype_name(target.dtype)}; "
+                    "the converter must emit the receiver's dtype",
+                    step=manifest.step,
+                )
+            if e.shard is not None or e.name in self.target_shards:
+                program.sharded.append(e)
+                continue
+            if tuple(target.shape) != e.shape:
+                raise StepFailed(
+                    f"{e.name}: trainer sent shape {list(e.shape)}, the parameter has "
+                    f"{list(target.shape)} (no shard boxes to reconcile them)",
+                    step=manifest.step,
+                )
+            direct.setdefault(e.bucket, []).append(e)
+            program.covered[e.name] = program.covered.get(e.name, 0) + target.numel()
+            program.copied_bytes += e.nbytes
+        for b in manifest.buckets:
+            entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
+            if not entries:
+                continue
+            dtype = torch_dtype(b.dtype)
+            esize = DTYPE_BYTES[b.dtype]
+            bp = _BucketProgram(b.index, dtype, [], [])
+            pos = 0
+            for e in entries:
+                start = e.offset // esize
+                if start > pos:
+                    bp.sizes.append(start - pos)  # alignment padding
+                target = self.targets[e.name]
+                contiguous = target.is_contiguous()
+                bp.copies.append(
+                    (
+                        len(bp.sizes),
+                        target.view(-1) if contiguous else target,
+                        None if contiguous else e.shape,
+                    )
+                )
+                bp.sizes.append(e.nbytes // esize)
+                pos = start + e.nbytes // esize
+            if pos < b.nbytes // esize:
+                bp.sizes.append(b.nbytes // esize - pos)
+            program.buckets.append(bp)
+        return program
 
     def _plan_entry(self, e: PlacedEntry, view: torch.Tensor, target: torch.Tensor, plan: _CopyPlan) -> None:
         tshard = self.target_shards.get(e.name)
