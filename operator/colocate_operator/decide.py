@@ -255,6 +255,8 @@ def decide(
         new["phase"] = Phase.RESTARTING if restarting else Phase.PENDING
     if deletes:
         requeue = _min_delay(requeue, SOON)
+    if deadline and start:  # wake up when the deadline passes, not at the next resync
+        requeue = _min_delay(requeue, (start + timedelta(seconds=deadline) - now).total_seconds())
     return _plan(p, new, creates=creates, deletes=deletes, requeue_after=requeue)
 
 

@@ -7,6 +7,7 @@ typed models and manifests. It never logs request or response bodies (a Secret p
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -84,7 +85,10 @@ class Kube:
         try:
             k8s_config.load_incluster_config(client_configuration=configuration)
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration)
+            # Read KUBECONFIG now, not when the kubernetes package was imported (it caches it there).
+            k8s_config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
+            )
         return cls(k8s_client.ApiClient(configuration))
 
     def _request(

@@ -28,6 +28,7 @@ from colocate_operator.observed import ClaimState, Observed, PodState
 from colocate_operator.spec import ColocateJob
 
 log = logging.getLogger("colocate_operator.reconciler")
+EVENT_REPEAT_SECONDS = 300.0  # a failure that persists is re-posted as an Event at most this often
 
 
 def utcnow() -> datetime:
@@ -60,6 +61,7 @@ class Reconciler:
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._slots_lock = threading.Lock()
         self._instance = socket.gethostname()
+        self._failure_events: dict[tuple[str, str, str, str, int], float] = {}
 
     # Periodic resync -------------------------------------------------------------------------------------
 
@@ -242,6 +244,10 @@ class Reconciler:
             if e.status == 409:
                 return True  # made by an earlier pass, or the old one is still terminating: next pass sees it
             log.warning("create failed: %s", e, extra=what)
+            key = (ns, job.ref.name, kind, manifest["metadata"]["name"], e.status)
+            if time.monotonic() - self._failure_events.get(key, -EVENT_REPEAT_SECONDS) < EVENT_REPEAT_SECONDS:
+                return False  # the same failure was reported recently: retried, but not re-posted
+            self._failure_events[key] = time.monotonic()
             self._post_event(
                 {
                     "apiVersion": API_VERSION,

@@ -411,6 +411,13 @@ def test_success_needs_the_final_step_record() -> None:
     assert without.status["phase"] == Phase.RESTARTING
 
 
+def test_deadline_wakes_the_reconciler_when_it_passes() -> None:
+    job = factories.job(runPolicy={"activeDeadlineSeconds": 60})
+    plan = run(running_status(startTime=ts(-45)), running_observed(), job)
+    assert plan.status["phase"] == Phase.RUNNING
+    assert plan.requeue_after == pytest.approx(15)
+
+
 def test_deadline_fails_the_job() -> None:
     job = factories.job(runPolicy={"activeDeadlineSeconds": 60})
     plan = run(running_status(startTime=ts(-61)), running_observed(), job)

@@ -1,0 +1,189 @@
+"""The executor around `decide`, on an in-memory API: ordering, conflicts, idempotence, no secret reads."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from colocate_operator import kube
+from colocate_operator.config import OperatorConfig
+from colocate_operator.reconciler import Reconciler
+from tests.operator import factories
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+
+
+class FakeKube(kube.Kube):
+    """Just enough of the API server: objects by (plural, namespace, name), resourceVersions, a call log."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self.metadata_only: list[str] = []
+        self.fail_create: dict[str, int] = {}  # kind plural -> HTTP status
+        self.conflict_next_status_write = False
+        self._counter = itertools.count(1)
+
+    def _key(self, kind: kube.Kind, namespace: str | None, name: str) -> tuple[str, str | None, str]:
+        return kind.plural, namespace if kind.namespaced else None, name
+
+    def put(self, kind: kube.Kind, body: dict[str, Any]) -> dict[str, Any]:
+        meta = body.setdefault("metadata", {})
+        meta.setdefault("uid", f"uid-{next(self._counter)}")
+        meta["resourceVersion"] = str(next(self._counter))
+        self.objects[self._key(kind, meta.get("namespace"), meta["name"])] = body
+        return body
+
+    def get(self, kind, namespace, name, *, metadata_only=False):
+        self.calls.append(("get", kind.plural, name))
+        if metadata_only:
+            self.metadata_only.append(kind.plural)
+        body = self.objects.get(self._key(kind, namespace, name))
+        if body is None:
+            return None
+        return {"metadata": copy.deepcopy(body["metadata"])} if metadata_only else copy.deepcopy(body)
+
+    def list(self, kind, namespace, label_selector=None):
+        self.calls.append(("list", kind.plural, label_selector or ""))
+        wanted = dict(part.split("=") for part in label_selector.split(",")) if label_selector else {}
+        return [
+            copy.deepcopy(b)
+            for (plural, ns, _), b in self.objects.items()
+            if plural == kind.plural
+            and ns == namespace
+            and all(b["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+        ]
+
+    def create(self, kind, namespace, body):
+        self.calls.append(("create", kind.plural, body["metadata"].get("name", "")))
+        if kind.plural in self.fail_create:
+            raise kube.KubeError(self.fail_create[kind.plural], "Forbidden", "not allowed")
+        body = copy.deepcopy(body)
+        if kind.plural == "events":
+            body["metadata"]["name"] = f"event-{next(self._counter)}"
+        if self._key(kind, namespace, body["metadata"]["name"]) in self.objects:
+            raise kube.KubeError(409, "AlreadyExists", "exists")
+        return self.put(kind, body)
+
+    def delete(self, kind, namespace, name, *, uid=None):
+        self.calls.append(("delete", kind.plural, name))
+        return self.objects.pop(self._key(kind, namespace, name), None) is not None
+
+    def patch(self, kind, namespace, name, patch, *, subresource=None):
+        self.calls.append(("patch", f"{kind.plural}/{subresource}", name))
+        body = self.objects[self._key(kind, namespace, name)]
+        expected = patch.get("metadata", {}).get("resourceVersion")
+        if self.conflict_next_status_write or (expected and expected != body["metadata"]["resourceVersion"]):
+            self.conflict_next_status_write = False
+            raise kube.KubeError(409, "Conflict", "the object has been modified")
+        status = body.setdefault("status", {})
+        for key, value in patch.get("status", {}).items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = value
+        body["metadata"]["resourceVersion"] = str(next(self._counter))
+        return copy.deepcopy(body)
+
+    # Test helpers.
+    def job(self) -> dict[str, Any]:
+        return self.objects[("colocatejobs", "ns", "demo")]
+
+    def pods(self) -> list[dict[str, Any]]:
+        return [b for (plural, _, _), b in self.objects.items() if plural == "pods"]
+
+    def run_pods(self) -> None:
+        """What the scheduler, the claim controller and kwok do, in one step."""
+        for pod in self.pods():
+            pod["spec"]["nodeName"] = f"gpu-node-{pod['metadata']['labels']['colocate.dev/replica-index']}"
+            pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+        deployment = self.objects[("deployments", "ns", "demo-metastore")]
+        deployment["status"] = {"readyReplicas": 1}
+
+    def event_reasons(self) -> list[str]:
+        return [b["reason"] for (plural, _, _), b in self.objects.items() if plural == "events"]
+
+
+@pytest.fixture
+def api() -> FakeKube:
+    fake = FakeKube()
+    fake.put(kube.COLOCATE_JOBS, factories.body())
+    fake.put(kube.DEVICE_CLASSES, {"metadata": {"name": "gpu.nvidia.com"}})
+    return fake
+
+
+@pytest.fixture
+def reconciler(api: FakeKube) -> Reconciler:
+    reconciler = Reconciler(api, OperatorConfig(), clock=lambda: NOW)
+    reconciler._schedule = lambda *args: None  # type: ignore[method-assign]  # no background requeues here
+    return reconciler
+
+
+def bring_up(api: FakeKube, reconciler: Reconciler) -> None:
+    reconciler.reconcile("ns", "demo")
+    api.run_pods()
+    reconciler.reconcile("ns", "demo")
+    assert api.job()["status"]["phase"] == "Running"
+
+
+def test_bring_up_and_idle_passes_write_nothing(api: FakeKube, reconciler: Reconciler) -> None:
+    bring_up(api, reconciler)
+    assert len(api.pods()) == 2
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert [c for c in api.calls if c[0] in ("create", "delete", "patch")] == []
+
+
+def test_secret_data_is_never_read(api: FakeKube, reconciler: Reconciler) -> None:
+    bring_up(api, reconciler)
+    reconciler.reconcile("ns", "demo")
+    secret_reads = [c for c in api.calls if c[:2] == ("get", "secrets")]
+    assert secret_reads and api.metadata_only.count("secrets") == len(secret_reads)
+
+
+def test_restart_is_persisted_before_pods_are_deleted(api: FakeKube, reconciler: Reconciler) -> None:
+    bring_up(api, reconciler)
+    api.pods()[1]["status"]["phase"] = "Failed"
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    writes = [c for c in api.calls if c[0] in ("patch", "delete")]
+    assert writes[0] == ("patch", "colocatejobs/status", "demo")
+    assert sorted(c[2] for c in writes[1:]) == ["demo-0", "demo-1"]
+    assert api.job()["status"]["restarts"] == 1
+    assert "RestartingGroup" in api.event_reasons()
+
+
+def test_conflicting_status_write_defers_the_deletion(api: FakeKube, reconciler: Reconciler) -> None:
+    bring_up(api, reconciler)
+    api.pods()[0]["status"]["phase"] = "Failed"
+    api.conflict_next_status_write = True
+    api.calls.clear()
+    reconciler._pass("ns", "demo")
+    assert not [c for c in api.calls if c[0] == "delete"], "no deletion without the persisted restart"
+    assert api.job()["status"]["restarts"] == 0
+    reconciler._pass("ns", "demo")  # the retry decides again from fresh state
+    assert api.job()["status"]["restarts"] == 1
+    assert api.pods() == []
+
+
+def test_create_failures_are_reported_once_and_retried(api: FakeKube, reconciler: Reconciler) -> None:
+    api.fail_create["networkpolicies"] = 403
+    assert reconciler._pass("ns", "demo") == 5.0
+    assert reconciler._pass("ns", "demo") == 5.0
+    assert api.event_reasons().count("FailedToCreate") == 1
+    assert api.calls.count(("create", "networkpolicies", "demo-metastore")) == 2
+    del api.fail_create["networkpolicies"]
+    reconciler._pass("ns", "demo")
+    assert ("networkpolicies", "ns", "demo-metastore") in api.objects
+
+
+def test_deleted_job_is_forgotten(api: FakeKube, reconciler: Reconciler) -> None:
+    reconciler.reconcile("ns", "demo")
+    assert reconciler.known_jobs() == [("ns", "demo")]
+    del api.objects[("colocatejobs", "ns", "demo")]
+    reconciler.reconcile("ns", "demo")
+    assert reconciler.known_jobs() == []
