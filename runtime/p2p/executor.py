@@ -2,9 +2,9 @@
 
 One process group, one rank per device. A rank may send, receive or both (colocated trainer and inference
 shards on the same GPU), so disjoint sender and receiver sets are just the special case where some ranks hold
-nothing on one side. Per chunk and per peer the slices travel in one contiguous byte buffer, cast to the
-receiver's dtype by the sender (byte counts always match). Every rank walks every chunk and every round in
-the same order, empty ones included, so no rank leaves while a peer still waits.
+nothing on one side. Per chunk and per peer, small slices travel packed in one buffer and large ones as their
+own messages, all cast to the receiver's dtype by the sender (byte counts always match). Every rank walks
+every chunk and every round in the same order, empty ones included, so no rank leaves while a peer waits.
 
 Everything that can fail locally (plan, tensor shapes, dtypes) is checked before the first byte moves, and
 the outcome is agreed with one all-reduce, so a bad rank makes every rank raise instead of leaving its peers
@@ -17,36 +17,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from colocate_runtime.p2p.chunks import (
-    ChunkPlan,
-    Message,
-    PeerBatch,
-    RankSchedule,
-    aligned,
-    assign_chunks,
-    rank_schedule,
-)
+from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Wire, resolve
+from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, aligned, assign_chunks, rank_schedule
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
-from colocate_runtime.p2p.plan import Plan, PlanError, Transfer, build_plan
-from colocate_runtime.p2p.staging import Arena, as_bytes, box_view, torch_dtype, typed_view
+from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
+from colocate_runtime.p2p.staging import Arena, box_view, typed_view
 from colocate_runtime.shards import ShardError
 
 log = logging.getLogger("colocate_runtime.p2p")
 
-# Poll interval bounds while waiting for a batch: short enough not to idle the link between chunks.
+# Waiting on NCCL: yield for a while (sleep granularity on VMs can exceed a chunk's time on the wire), then
+# sleep in small steps.
 _POLL_SPINS = 20_000
 _POLL_SLEEP_S = 1e-3
 # Chunks the host may post before confirming older ones, and the queued launches (copies and messages)
-# behind unconfirmed chunks beyond which it waits: a stuck peer must show as a timeout, not as the host
+# behind unconfirmed chunks beyond which it waits: a stuck peer must show up as a timeout, not as the host
 # blocking in a full CUDA launch queue.
 _RUN_AHEAD_CHUNKS = 4
 _MAX_QUEUED_LAUNCHES = 512
@@ -82,37 +76,12 @@ class RunReport:
 
 
 @dataclass(slots=True)
-class _Op:
-    """One wire message bound to local tensors: moved in place (`direct`: a byte view of the local tensor)
-    or through staging that its slices are packed into (sender) or unpacked from (receiver)."""
-
-    nbytes: int
-    items: list[tuple[torch.Tensor, int, torch.dtype, tuple[int, ...]]]
-    direct: torch.Tensor | None = None
-    staging: torch.Tensor | None = None  # the arena window while the message is in flight
-
-
-@dataclass(slots=True)
-class _BoundBatch:
-    batch: PeerBatch
-    sends: list[_Op]
-    recvs: list[_Op]
-
-
-@dataclass(slots=True)
-class _BoundChunk:
-    index: int
-    batches: list[_BoundBatch]
-
-    @property
-    def staging(self) -> int:
-        return sum(aligned(op.nbytes) for b in self.batches for op in b.sends + b.recvs if op.direct is None)
-
-
-@dataclass(slots=True)
 class _Posted:
-    bound: _BoundBatch
+    """A peer batch on the wire, with the received messages still to be unpacked from staging."""
+
+    work: BatchWork
     works: list
+    unpack: list[tuple[Wire, torch.Tensor]] = field(default_factory=list)
 
 
 class P2PExchange:
@@ -140,8 +109,16 @@ class P2PExchange:
         self.config = config
         self.rank = schedule.rank
         self.world = schedule.world
-        self._shards = {"source": senders.by_name(), "target": receivers.by_name()}
         self._polls = dist.get_backend(group) == "nccl"
+        self._work = resolve(schedule, senders, receivers)
+        self._shards = {
+            SOURCE: {p.name: (b.lengths, p.dtype) for p in senders.params if (b := p.box_of(self.rank))},
+            TARGET: {p.name: (b.lengths, p.dtype) for p in receivers.params if (b := p.box_of(self.rank))},
+        }
+        self._needed = {
+            SOURCE: {t.name for t in schedule.local} | _names(self._work, sending=True),
+            TARGET: {t.name for t in schedule.local} | _names(self._work, sending=False),
+        }
 
     @classmethod
     def create(
@@ -154,7 +131,8 @@ class P2PExchange:
         config: ExecutorConfig | None = None,
     ) -> P2PExchange:
         """Collective: every rank of `group` calls it with the same layouts. Builds the plan, checks that all
-        ranks built the same one (by hash) and agrees on the chunk budget (the smallest configured)."""
+        ranks built the same one (by hash), agrees on the chunk budget and message threshold (the smallest
+        configured) and opens the peer connections."""
         config = config or ExecutorConfig()
         device = device or default_device(group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -169,7 +147,7 @@ class P2PExchange:
             digest = int(plan.hash()[:15], 16)  # 60 bits: fits a non-negative int64
         except ShardError as exc:
             error = exc
-        # One MAX all-reduce: failure flags and digests in per-rank slots, and -capacity for a MIN.
+        # One MAX all-reduce: failure flags and digests in per-rank slots, negated settings for a MIN.
         votes = torch.zeros(2 * world + 2, dtype=torch.int64, device=device)
         votes[rank] = int(error is not None)
         votes[world + rank] = digest
@@ -191,13 +169,12 @@ class P2PExchange:
             groups = "; ".join(f"{d:015x}: ranks {rs}" for d, rs in sorted(by_digest.items()))
             raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
         chunk_plan = assign_chunks(plan, capacity)
-        schedule = rank_schedule(chunk_plan, rank, world, direct_min)
         exchange = cls(
             senders=senders,
             receivers=receivers,
             plan=plan,
             chunk_plan=chunk_plan,
-            schedule=schedule,
+            schedule=rank_schedule(chunk_plan, rank, world, direct_min),
             group=group,
             device=device,
             config=config,
@@ -212,22 +189,26 @@ class P2PExchange:
         start = time.perf_counter()
         with torch.no_grad():
             error: Exception | None = None
+            local: LocalTensors | None = None
             try:
-                local, chunks = self._bind(sources, targets)
-            except (ShardError, P2PError) as exc:
-                error, local, chunks = exc, [], []
-            n_chunks = self._preflight(failed=error is not None, n_chunks=len(chunks))
+                local = LocalTensors(
+                    self.rank, self.device, self._shards, {SOURCE: sources, TARGET: targets}, self._needed
+                )
+            except ShardError as exc:
+                error = exc
+            n_chunks = self._preflight(failed=error is not None, n_chunks=len(self._work))
             if error is not None:
                 raise error
-            chunks += [_BoundChunk(i, []) for i in range(len(chunks), n_chunks)]
-            for dst_view, src_view in local:
-                dst_view.copy_(src_view)
+            assert local is not None
+            work = list(self._work) + [() for _ in range(len(self._work), n_chunks)]
+            for t in self.schedule.local:
+                box_view(targets[t.name], t.dst_box).copy_(box_view(sources[t.name], t.src_box))
             depth = self.config.pipeline_depth
-            slots = [max((c.staging for c in chunks[s::depth]), default=0) for s in range(depth)]
-            arena = Arena(slots, self.device)
+            staged = [_staging(chunk, local) for chunk in work]
+            arena = Arena([max(staged[s::depth], default=0) for s in range(depth)], self.device)
             trace: list[TraceEvent] = []
             try:
-                self._exchange(chunks, arena, trace, start)
+                self._exchange(work, local, arena, trace, start)
             finally:
                 arena.release()
             if self.device.type == "cuda":
@@ -235,7 +216,7 @@ class P2PExchange:
         return RunReport(
             rank=self.rank,
             n_chunks=n_chunks,
-            batches=sum(len(c.batches) for c in chunks),
+            batches=sum(len(chunk) for chunk in work),
             bytes_sent=_payload(self.schedule, sending=True),
             bytes_received=_payload(self.schedule, sending=False),
             bytes_local=sum(t.wire_bytes for t in self.schedule.local),
@@ -249,79 +230,7 @@ class P2PExchange:
         if dist.get_backend(self.group) == "nccl":
             dist.distributed_c10d._abort_process_group(self.group)
 
-    # -- binding: local checks, before anything is sent --------------------------------------------------
-
-    def _bind(
-        self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[_BoundChunk]]:
-        checked: set[tuple[str, str]] = set()
-
-        def source(t: Transfer) -> torch.Tensor:
-            return self._local_tensor("source", sources, t.name, t.src_dtype, checked)
-
-        def target(t: Transfer) -> torch.Tensor:
-            return self._local_tensor("target", targets, t.name, t.dst_dtype, checked)
-
-        local = [
-            (box_view(target(t), t.dst_box), box_view(source(t), t.src_box)) for t in self.schedule.local
-        ]
-
-        def bind(message: Message, sending: bool) -> _Op:
-            items = []
-            for piece in message.slices:
-                t = piece.transfer
-                view = box_view(source(t), t.src_box) if sending else box_view(target(t), t.dst_box)
-                items.append((view, piece.offset, torch_dtype(t.dst_dtype), t.region.lengths))
-            op = _Op(message.nbytes, items)
-            # A lone dense slice already in the wire dtype moves in place: no staging, no copy.
-            only = message.slices[0].transfer
-            if len(items) == 1 and items[0][0].is_contiguous() and not (sending and _casts(only)):
-                op.direct = as_bytes(items[0][0])
-            return op
-
-        chunks = [
-            _BoundChunk(
-                chunk.index,
-                [
-                    _BoundBatch(b, [bind(m, True) for m in b.sends], [bind(m, False) for m in b.recvs])
-                    for b in chunk.batches
-                ],
-            )
-            for chunk in self.schedule.chunks
-        ]
-        return local, chunks
-
-    def _local_tensor(
-        self,
-        kind: str,
-        tensors: Mapping[str, torch.Tensor],
-        name: str,
-        dtype: str,
-        checked: set[tuple[str, str]],
-    ) -> torch.Tensor:
-        tensor = tensors.get(name)
-        if (kind, name) in checked and tensor is not None:
-            return tensor
-        if tensor is None:
-            raise ShardError(f"{name}: rank {self.rank} has no local {kind} tensor for it")
-        box = self._shards[kind][name].box_of(self.rank)
-        assert box is not None  # the plan only routes shards this rank holds
-        if tuple(tensor.shape) != box.lengths:
-            raise ShardError(
-                f"{name}: the local {kind} on rank {self.rank} has shape {tuple(tensor.shape)}, its shard is "
-                f"{list(box.lengths)}"
-            )
-        if tensor.dtype != torch_dtype(dtype):
-            raise ShardError(
-                f"{name}: the local {kind} on rank {self.rank} is {tensor.dtype}, expected {dtype}"
-            )
-        if tensor.device != self.device:
-            raise ShardError(
-                f"{name}: the local {kind} on rank {self.rank} is on {tensor.device}, "
-                f"the exchange on {self.device}"
-            )
-        checked.add((kind, name))
-        return tensor
+    # -- agreement -----------------------------------------------------------------------------------------
 
     def _preflight(self, *, failed: bool, n_chunks: int) -> int:
         """One MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
@@ -341,10 +250,33 @@ class P2PExchange:
             raise P2PError(f"rank {self.rank}: rank(s) {bad} rejected their local tensors; nothing was sent")
         return int(values[self.world])
 
+    def _connect(self) -> None:
+        """NCCL opens a peer connection on the first send/recv with it, blocking the host until the peer
+        joins; done here, where every rank has just met, a later stall shows up in a wait we can time."""
+        if not self._polls:
+            return
+        peers = {b.peer: b.round for c in self.schedule.chunks for b in c.batches}
+        for peer, round_ in sorted(peers.items(), key=lambda item: item[1]):
+            out = torch.zeros(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
+            back = torch.empty(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, out, group=self.group, group_peer=peer),
+                    dist.P2POp(dist.irecv, back, group=self.group, group_peer=peer),
+                ]
+            )
+            if not self._wait([w for w in works if w is not None], time.monotonic() + self.config.timeout_s):
+                self._timed_out(peer, f"connecting, round {round_}", chunk=-1, round_=round_)
+
     # -- the chunk loop ------------------------------------------------------------------------------------
 
     def _exchange(
-        self, chunks: list[_BoundChunk], arena: Arena, trace: list[TraceEvent], start: float
+        self,
+        work: list[tuple[BatchWork, ...]],
+        local: LocalTensors,
+        arena: Arena,
+        trace: list[TraceEvent],
+        start: float,
     ) -> None:
         """Post chunk c (pack, then the peer batches in round order), then drain chunk c - depth + 1.
 
@@ -353,48 +285,71 @@ class P2PExchange:
         the trace) and blocks only when too much work is queued. On CPU transports a drain waits."""
         in_flight: deque[tuple[int, list[_Posted]]] = deque()
         unconfirmed: deque[tuple[int, list[_Posted], int]] = deque()
-        n = len(chunks)
+        n = len(work)
         keep = 0 if self.config.trace else _RUN_AHEAD_CHUNKS
-        for chunk in chunks:
+        for index, chunk in enumerate(work):
             self._confirm(unconfirmed, keep, n, trace, start)
-            in_flight.append((chunk.index, self._post(chunk, arena.slot(chunk.index), trace, start)))
+            in_flight.append((index, self._post(index, chunk, local, arena.slot(index), trace, start)))
             if len(in_flight) >= self.config.pipeline_depth:
-                self._drain(*in_flight.popleft(), unconfirmed, n, trace, start)
+                self._drain(*in_flight.popleft(), local, unconfirmed, n, trace, start)
         while in_flight:
-            self._drain(*in_flight.popleft(), unconfirmed, n, trace, start)
+            self._drain(*in_flight.popleft(), local, unconfirmed, n, trace, start)
         self._confirm(unconfirmed, 0, n, trace, start)
 
     def _post(
-        self, chunk: _BoundChunk, slot: torch.Tensor, trace: list[TraceEvent], start: float
+        self,
+        index: int,
+        chunk: tuple[BatchWork, ...],
+        local: LocalTensors,
+        slot: torch.Tensor,
+        trace: list[TraceEvent],
+        start: float,
     ) -> list[_Posted]:
         offset = 0
-        for b in chunk.batches:
-            for op in b.sends + b.recvs:
-                if op.direct is None:
-                    op.staging = slot[offset : offset + op.nbytes]
-                    offset += aligned(op.nbytes)
-            for op in b.sends:
-                if op.staging is not None:
-                    for view, at, dtype, shape in op.items:
-                        typed_view(op.staging, at, dtype, shape).copy_(view)
         posted = []
-        for b in chunk.batches:
-            peer = b.batch.peer
-            sends = [self._p2p(dist.isend, op, peer, chunk.index, k) for k, op in enumerate(b.sends)]
-            recvs = [self._p2p(dist.irecv, op, peer, chunk.index, k) for k, op in enumerate(b.recvs)]
+        buffers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for b in chunk:
+            p = _Posted(b, [])
+            sends, recvs = [], []
+            for wire in b.sends:
+                if local.in_place(SOURCE, wire):
+                    sends.append(local.bytes_of(SOURCE, wire))
+                    continue
+                staging = slot[offset : offset + wire.nbytes]
+                offset += aligned(wire.nbytes)
+                for piece in wire.pieces:
+                    typed_view(staging, piece.offset, piece.dtype, piece.shape).copy_(
+                        local.view(SOURCE, piece)
+                    )
+                sends.append(staging)
+            for wire in b.recvs:
+                if local.in_place(TARGET, wire):
+                    recvs.append(local.bytes_of(TARGET, wire))
+                    continue
+                staging = slot[offset : offset + wire.nbytes]
+                offset += aligned(wire.nbytes)
+                p.unpack.append((wire, staging))
+                recvs.append(staging)
+            posted.append(p)
+            buffers.append((sends, recvs))
+        for p, (sends, recvs) in zip(posted, buffers, strict=True):
+            peer = p.work.batch.peer
+            send_ops = [self._p2p(dist.isend, buf, peer, index, k) for k, buf in enumerate(sends)]
+            recv_ops = [self._p2p(dist.irecv, buf, peer, index, k) for k, buf in enumerate(recvs)]
             if self.config.one_batch_per_peer:
-                groups = [sends + recvs]
+                groups = [send_ops + recv_ops]
             else:
                 # Message k of each direction together: still symmetric between the two ends, so just as
                 # deadlock-free, but NCCL gets one small group per launch instead of one long one.
-                groups = [sends[k : k + 1] + recvs[k : k + 1] for k in range(max(len(sends), len(recvs)))]
-            works = [w for g in groups for w in dist.batch_isend_irecv(g) if w is not None]
-            self._trace(trace, start, chunk.index, b, "enqueued")
-            posted.append(_Posted(b, works))
+                groups = [
+                    send_ops[k : k + 1] + recv_ops[k : k + 1]
+                    for k in range(max(len(send_ops), len(recv_ops)))
+                ]
+            p.works = [w for g in groups for w in dist.batch_isend_irecv(g) if w is not None]
+            self._trace(trace, start, index, p.work, "enqueued")
         return posted
 
-    def _p2p(self, kind: Callable, op: _Op, peer: int, chunk: int, k: int) -> dist.P2POp:
-        buffer = op.direct if op.direct is not None else op.staging
+    def _p2p(self, kind: Callable, buffer: torch.Tensor, peer: int, chunk: int, k: int) -> dist.P2POp:
         # Tags keep messages apart on transports that match by tag (gloo); NCCL ignores them.
         tag = (chunk * _TAGS_PER_CHUNK + k) % _TAG_LIMIT
         return dist.P2POp(kind, buffer, group=self.group, group_peer=peer, tag=tag)
@@ -403,6 +358,7 @@ class P2PExchange:
         self,
         index: int,
         posted: list[_Posted],
+        local: LocalTensors,
         unconfirmed: deque[tuple[int, list[_Posted], int]],
         n_chunks: int,
         trace: list[TraceEvent],
@@ -415,16 +371,15 @@ class P2PExchange:
                     w.wait()  # NCCL: the current stream waits for the wire; the host goes on
             else:
                 self._await(p, index, n_chunks)
-                self._trace(trace, start, index, p.bound, "drained")
-            for op in p.bound.sends:
-                op.staging = None
-            for op in p.bound.recvs:
-                if op.staging is not None:
-                    for view, at, dtype, shape in op.items:
-                        view.copy_(typed_view(op.staging, at, dtype, shape))
-                        launches += 1
-                    op.staging = None
+                self._trace(trace, start, index, p.work, "drained")
+            for wire, staging in p.unpack:
+                for piece in wire.pieces:
+                    local.view(TARGET, piece).copy_(
+                        typed_view(staging, piece.offset, piece.dtype, piece.shape)
+                    )
+                    launches += 1
             launches += len(p.works)
+            p.unpack.clear()
         if self._polls:
             unconfirmed.append((index, posted, launches))
 
@@ -444,10 +399,12 @@ class P2PExchange:
             index, posted, _ = unconfirmed.popleft()
             for p in posted:
                 self._await(p, index, n_chunks)
-                self._trace(trace, start, index, p.bound, "drained")
+                self._trace(trace, start, index, p.work, "drained")
+
+    # -- waiting with deadlines ----------------------------------------------------------------------------
 
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
-        batch = posted.bound.batch
+        batch = posted.work.batch
         try:
             done = self._wait(posted.works, time.monotonic() + self.config.timeout_s)
         except RuntimeError as exc:
@@ -472,7 +429,6 @@ class P2PExchange:
             while not all(w.is_completed() for w in works):
                 if time.monotonic() > deadline:
                     return False
-                # Yield first (sleep granularity on VMs can exceed a chunk's time on the wire), then back off.
                 spins += 1
                 time.sleep(0 if spins < _POLL_SPINS else _POLL_SLEEP_S)
             for w in works:
@@ -500,34 +456,17 @@ class P2PExchange:
         except Exception:  # best effort: the timeout is the error worth reporting
             log.exception("rank %d: aborting the process group failed", self.rank)
 
-    def _connect(self) -> None:
-        """NCCL opens a peer connection on the first send/recv with it, blocking the host until the peer
-        joins; done here, where every rank has just met, a later stall shows up in a wait we can time."""
-        if not self._polls:
-            return
-        peers = {b.peer: b.round for c in self.schedule.chunks for b in c.batches}
-        for peer, round_ in sorted(peers.items(), key=lambda item: item[1]):
-            out = torch.zeros(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
-            back = torch.empty(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
-            works = dist.batch_isend_irecv(
-                [
-                    dist.P2POp(dist.isend, out, group=self.group, group_peer=peer),
-                    dist.P2POp(dist.irecv, back, group=self.group, group_peer=peer),
-                ]
-            )
-            if not self._wait([w for w in works if w is not None], time.monotonic() + self.config.timeout_s):
-                self._timed_out(peer, f"connecting, round {round_}", chunk=-1, round_=round_)
-
-    def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: _BoundBatch, event: str) -> None:
+    def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: BatchWork, event: str) -> None:
         if not self.config.trace:
             return
+        batch = b.batch
         item = TraceEvent(
             chunk,
-            b.batch.round,
-            b.batch.peer,
+            batch.round,
+            batch.peer,
             event,
-            b.batch.send_bytes,
-            b.batch.recv_bytes,
+            batch.send_bytes,
+            batch.recv_bytes,
             time.perf_counter() - start,
         )
         trace.append(item)
@@ -544,6 +483,25 @@ class P2PExchange:
         )
 
 
+def _staging(chunk: tuple[BatchWork, ...], local: LocalTensors) -> int:
+    """Staging bytes one chunk needs on this rank: every message that cannot move in place."""
+    total = 0
+    for b in chunk:
+        total += sum(aligned(w.nbytes) for w in b.sends if not local.in_place(SOURCE, w))
+        total += sum(aligned(w.nbytes) for w in b.recvs if not local.in_place(TARGET, w))
+    return total
+
+
+def _names(work: tuple[tuple[BatchWork, ...], ...], *, sending: bool) -> set[str]:
+    return {
+        piece.name
+        for chunk in work
+        for b in chunk
+        for w in (b.sends if sending else b.recvs)
+        for piece in w.pieces
+    }
+
+
 def _payload(schedule: RankSchedule, *, sending: bool) -> int:
     return sum(
         piece.transfer.wire_bytes
@@ -552,10 +510,6 @@ def _payload(schedule: RankSchedule, *, sending: bool) -> int:
         for m in (b.sends if sending else b.recvs)
         for piece in m.slices
     )
-
-
-def _casts(t: Transfer) -> bool:
-    return t.src_dtype != t.dst_dtype
 
 
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -355,3 +355,15 @@ def test_large_slices_get_messages_of_their_own_and_small_ones_are_packed() -> N
     (packed_only,) = rank_schedule(chunk_plan, 0, 3, direct_min_bytes=1 << 30).chunks
     (message,) = next(b for b in packed_only.batches if b.peer == 1).sends
     assert [(p.transfer.name, p.offset) for p in message.slices] == [("n", 0), ("w", 16)]
+
+
+def test_dense_boxes_are_single_runs_of_row_major_memory() -> None:
+    from colocate_runtime.p2p.binding import is_dense_in
+
+    shape = (4, 6, 8)
+    assert is_dense_in(Box((1, 0, 0), (2, 6, 8)), shape)  # whole rows of the outer dim
+    assert is_dense_in(Box((1, 2, 0), (1, 3, 8)), shape)  # a run inside one outer index
+    assert is_dense_in(Box((1, 2, 3), (1, 1, 4)), shape)
+    assert not is_dense_in(Box((0, 0, 0), (4, 3, 8)), shape)  # half of every outer index
+    assert not is_dense_in(Box((1, 2, 0), (2, 3, 8)), shape)
+    assert is_dense_in(Box((), ()), ())

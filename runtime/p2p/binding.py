@@ -1,0 +1,134 @@
+"""A rank's schedule resolved against its own shards, and its local tensors checked against them.
+
+Everything that can be known from metadata is computed once when an exchange is created: for every message,
+its slices in local shard coordinates and whether it could move in place (one slice, dense within its shard,
+no cast when sending). A run then only checks each local tensor once (shape, dtype, device, contiguity) and
+creates views chunk by chunk while the previous chunk is on the wire, so host work per run stays small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from colocate_runtime.p2p.chunks import Message, PeerBatch, RankSchedule
+from colocate_runtime.p2p.layout import Layout
+from colocate_runtime.p2p.staging import as_bytes, box_view, torch_dtype
+from colocate_runtime.shards import Box, ShardError
+
+SOURCE, TARGET = "source", "target"
+
+
+def is_dense_in(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether `box` of a row-major dense tensor of `shape` is itself one dense run of memory."""
+    d = len(shape) - 1
+    while d >= 0 and box.offsets[d] == 0 and box.lengths[d] == shape[d]:
+        d -= 1
+    return all(box.lengths[i] == 1 for i in range(d))
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One slice of a message on this rank: which local tensor, which box of it, where in the message."""
+
+    name: str
+    box: Box
+    offset: int
+    dtype: torch.dtype  # on the wire: the receiver's dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """One message as this rank posts it."""
+
+    nbytes: int
+    pieces: tuple[Piece, ...]
+    movable: bool  # one dense slice needing no cast: sent from / received into the tensor itself
+
+
+@dataclass(frozen=True, slots=True)
+class BatchWork:
+    batch: PeerBatch
+    sends: tuple[Wire, ...]
+    recvs: tuple[Wire, ...]
+
+
+def resolve(schedule: RankSchedule, senders: Layout, receivers: Layout) -> tuple[tuple[BatchWork, ...], ...]:
+    """Per chunk, this rank's batches with every slice in local shard coordinates."""
+    send_shapes = _local_shapes(senders, schedule.rank)
+    recv_shapes = _local_shapes(receivers, schedule.rank)
+
+    def wire(message: Message, sending: bool) -> Wire:
+        pieces = []
+        for s in message.slices:
+            t = s.transfer
+            box = t.src_box if sending else t.dst_box
+            pieces.append(Piece(t.name, box, s.offset, torch_dtype(t.dst_dtype), t.region.lengths))
+        only = message.slices[0].transfer
+        shape = (send_shapes if sending else recv_shapes)[only.name]
+        movable = (
+            len(pieces) == 1
+            and is_dense_in(pieces[0].box, shape)
+            and not (sending and only.src_dtype != only.dst_dtype)
+        )
+        return Wire(message.nbytes, tuple(pieces), movable)
+
+    return tuple(
+        tuple(
+            BatchWork(b, tuple(wire(m, True) for m in b.sends), tuple(wire(m, False) for m in b.recvs))
+            for b in chunk.batches
+        )
+        for chunk in schedule.chunks
+    )
+
+
+def _local_shapes(layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for p in layout.params:
+        box = p.box_of(rank)
+        if box is not None:
+            out[p.name] = box.lengths
+    return out
+
+
+class LocalTensors:
+    """This rank's sources and targets for one run, each checked once against its shard."""
+
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        shards: Mapping[str, Mapping[str, tuple[tuple[int, ...], str]]],
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        needed: Mapping[str, set[str]],
+    ) -> None:
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {SOURCE: {}, TARGET: {}}
+        self._dense: dict[str, dict[str, bool]] = {SOURCE: {}, TARGET: {}}
+        for kind in (SOURCE, TARGET):
+            for name in sorted(needed[kind]):
+                tensor = tensors[kind].get(name)
+                shape, dtype = shards[kind][name]
+                if tensor is None:
+                    raise ShardError(f"{name}: rank {rank} has no local {kind} tensor for it")
+                what = f"{name}: the local {kind} on rank {rank}"
+                if tuple(tensor.shape) != shape:
+                    raise ShardError(f"{what} has shape {tuple(tensor.shape)}, its shard is {list(shape)}")
+                if tensor.dtype != torch_dtype(dtype):
+                    raise ShardError(f"{what} is {tensor.dtype}, expected {dtype}")
+                if tensor.device != device:
+                    raise ShardError(f"{what} is on {tensor.device}, the exchange on {device}")
+                self._tensors[kind][name] = tensor
+                self._dense[kind][name] = tensor.is_contiguous()
+
+    def in_place(self, kind: str, wire: Wire) -> bool:
+        return wire.movable and self._dense[kind][wire.pieces[0].name]
+
+    def view(self, kind: str, piece: Piece) -> torch.Tensor:
+        return box_view(self._tensors[kind][piece.name], piece.box)
+
+    def bytes_of(self, kind: str, wire: Wire) -> torch.Tensor:
+        """The tensor memory a movable message is sent from or received into."""
+        return as_bytes(self.view(kind, wire.pieces[0]))
