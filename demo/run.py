@@ -1,0 +1,326 @@
+"""`make demo`: the whole product on this machine, end to end.
+
+A real control plane with fake GPU nodes; the Helm chart; the operator; `examples/colocatejob.yaml`; then, for
+each of the job's pods, the two processes its containers would run (no kubelet here: kwok only marks pods
+Running), started with the environment the operator put into the pod: a trainer doing real training steps on a
+tiny LM, and the SGLang STAND-IN holding the same model. Weights move through the real Redis meta-store on the
+shared-memory path (the CPU stand-in for CUDA IPC); every step shows up in `kubectl get colocatejobs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from colocate_devcluster import Cluster, ClusterSpec
+from colocate_devcluster.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LOADER = "colocate_runtime.sglang.loader.load_colocated_step"
+STEP_TIMEOUT = 120.0
+
+
+def say(message: str) -> None:
+    print(f"\n\033[1m== {message}\033[0m", flush=True)
+
+
+def wait(probe: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise SystemExit(f"demo: timed out after {timeout:.0f} s waiting for {what}")
+
+
+def spawn(
+    stack: ExitStack, argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    handle = open(log, "ab")  # noqa: SIM115 (the child owns it)
+    proc = subprocess.Popen(
+        argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT
+    )
+    handle.close()
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    stack.callback(stop)
+    return proc
+
+
+def container_env(cluster: Cluster, pod: dict, container: str) -> dict[str, str]:
+    """The container's environment as a kubelet would resolve it (values, Secret keys, pod fields)."""
+    spec = next(c for c in pod["spec"]["containers"] if c["name"] == container)
+    env: dict[str, str] = {}
+    for var in spec.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+        elif ref := var.get("valueFrom", {}).get("secretKeyRef"):
+            secret = json.loads(
+                cluster.kubectl(
+                    "get", "secret", ref["name"], "-n", pod["metadata"]["namespace"], "-o", "json"
+                ).stdout
+            )
+            env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        elif ref := var.get("valueFrom", {}).get("fieldRef"):
+            value: Any = pod
+            for part in ref["fieldPath"].split("."):
+                value = value.get(part, "") if isinstance(value, dict) else ""
+            env[var["name"]] = str(value)
+    return env
+
+
+def job_status(cluster: Cluster) -> dict:
+    return json.loads(cluster.kubectl("get", "colocatejob", "demo", "-n", "demo", "-o", "json").stdout).get(
+        "status", {}
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="weight-update steps to run (default 5)")
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".devcluster-demo")
+    parser.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
+    args = parser.parse_args()
+    started = time.monotonic()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    logs = args.workdir / "logs"
+    with ExitStack() as stack:
+        say("1/7 a local control plane (etcd, apiserver, controller-manager, scheduler; kwok fake GPU nodes)")
+        cluster = Cluster(ClusterSpec(workdir=args.workdir, gpu_nodes=4, gpus_per_node=8)).start()
+        if not args.keep:
+            stack.callback(cluster.stop)
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+        print(cluster.kubectl("get", "nodes").stdout, end="")
+
+        say("2/7 helm install colocate-operator (CRD, RBAC, Deployment; kwok 'runs' its pod, no container)")
+        subprocess.run(
+            [
+                str(cluster.bin_dir / "helm"),
+                "install",
+                "colocate-operator",
+                str(ROOT / "charts" / "colocate-operator"),
+                "-n",
+                "colocate-system",
+                "--create-namespace",
+                "--wait",
+                "--timeout",
+                "120s",
+            ],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        print(cluster.kubectl("get", "deploy,crd", "-n", "colocate-system").stdout, end="")
+
+        say("3/7 the operator, running here against the cluster (no kubelet runs the container above)")
+        metrics_port = free_port()
+        operator = spawn(
+            stack,
+            [
+                PY,
+                "-m",
+                "colocate_operator",
+                "--log-format=plain",
+                "--liveness=",
+                f"--metrics-port={metrics_port}",
+            ],
+            logs / "operator.log",
+            env,
+        )
+        print(
+            f"operator pid {operator.pid}, log {logs / 'operator.log'}, metrics http://127.0.0.1:{metrics_port}/metrics"
+        )
+
+        say("4/7 the job's meta-store: a real redis-server with a password kept in a Secret")
+        redis_port, password = free_port(), secrets.token_hex(16)
+        spawn(
+            stack,
+            [
+                "redis-server",
+                "--port",
+                str(redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--requirepass",
+                password,
+            ],
+            logs / "redis.log",
+        )
+        cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}}])
+        cluster.kubectl(
+            "create",
+            "secret",
+            "generic",
+            "demo-metastore",
+            "-n",
+            "demo",
+            f"--from-literal=password={password}",
+        )
+
+        say("5/7 kubectl apply -f examples/colocatejob.yaml")
+        job = yaml.safe_load((ROOT / "examples" / "colocatejob.yaml").read_text())
+        job["spec"]["metaStore"]["external"]["address"] = f"127.0.0.1:{redis_port}"
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
+        pods = wait(lambda: _running_pods(cluster, job["spec"]["numNodes"]), 120, "the job's pods Running")
+        print(cluster.kubectl("get", "colocatejobs,pods", "-n", "demo", "-o", "wide").stdout, end="")
+
+        say(f"6/7 per pod: a trainer and the SGLang stand-in, {args.steps} weight-update steps")
+        trainers = []
+        for pod in pods:
+            index = pod["metadata"]["labels"].get("colocate.dev/replica-index") or pod["metadata"]["name"][-1]
+            rollout_port = free_port()
+            overrides = {
+                "COLOCATE_TRANSPORT": "SharedMemory",  # CPU stand-in for CUDA IPC
+                "COLOCATE_SGLANG_URL": f"http://127.0.0.1:{rollout_port}",
+                "OMP_NUM_THREADS": "1",
+                "DEMO_STEPS": str(args.steps),
+            }
+            base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
+            rollout_env = {**base, **container_env(cluster, pod, "sglang"), **overrides}
+            trainer_env = {**base, **container_env(cluster, pod, "trainer"), **overrides}
+            spawn(
+                stack,
+                [
+                    PY,
+                    "-m",
+                    "colocate_runtime.sglang.standin",
+                    "--port",
+                    str(rollout_port),
+                    "--custom-weight-loader",
+                    LOADER,
+                ],
+                logs / f"rollout-{index}.log",
+                rollout_env,
+            )
+            trainers.append(
+                (
+                    index,
+                    spawn(
+                        stack,
+                        [PY, str(ROOT / "demo" / "trainer.py")],
+                        logs / f"trainer-{index}.log",
+                        trainer_env,
+                    ),
+                )
+            )
+        _follow_steps(cluster, trainers, args.steps)
+        status = wait(
+            lambda: (s := job_status(cluster)).get("phase") in ("Succeeded", "Failed") and s,
+            60,
+            "the job to finish (the trainers' final records)",
+        )
+        print(cluster.kubectl("get", "colocatejobs", "-n", "demo").stdout, end="")
+
+        say("7/7 summary")
+        results = {i: _trainer_lines(logs / f"trainer-{i}.log") for i, _ in trainers}
+        _summary(status, results)
+        ok = status.get("phase") == "Succeeded" and all(
+            r.get("rollout_matches_trainer") for lines in results.values() for r in lines
+        )
+        print(
+            f"\ndemo {'succeeded' if ok else 'FAILED'} in {time.monotonic() - started:.0f} s; logs in {logs}"
+        )
+        if args.keep:
+            print(
+                f"cluster left running: export KUBECONFIG={cluster.kubeconfig}; stop with `make cluster-down "
+                f"COLOCATE_DEVCLUSTER_DIR={args.workdir}`"
+            )
+        return 0 if ok else 1
+
+
+def _running_pods(cluster: Cluster, count: int) -> list[dict] | None:
+    items = json.loads(cluster.kubectl("get", "pods", "-n", "demo", "-o", "json").stdout)["items"]
+    running = [
+        p
+        for p in items
+        if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+    ]
+    return sorted(running, key=lambda p: p["metadata"]["name"]) if len(running) == count else None
+
+
+def _follow_steps(cluster: Cluster, trainers: list[tuple[str, subprocess.Popen]], steps: int) -> None:
+    """Print `kubectl get colocatejobs` each time the job's status shows a new step."""
+    shown = None
+    deadline = time.monotonic() + STEP_TIMEOUT * steps
+    while time.monotonic() < deadline:
+        step = job_status(cluster).get("weightSync", {}).get("lastCompletedStep")
+        if step != shown:
+            shown = step
+            print(
+                cluster.kubectl(
+                    "get", "colocatejobs", "-n", "demo", "--no-headers" if step else "--show-kind=false"
+                ).stdout,
+                end="",
+                flush=True,
+            )
+        if all(p.poll() is not None for _, p in trainers) and shown == steps:
+            return
+        if any(p.poll() not in (None, 0) for _, p in trainers):
+            raise SystemExit("demo: a trainer failed; see its log under .devcluster-demo/logs")
+        time.sleep(0.3)
+    raise SystemExit(f"demo: the job did not reach step {steps} in time")
+
+
+def _trainer_lines(log: Path) -> list[dict]:
+    lines = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+def _summary(status: dict, results: dict[str, list[dict]]) -> None:
+    recent = {r["step"]: r for r in status.get("recentSteps", [])}
+    first = next(iter(results.values()), [])
+    print(
+        f"{'step':>4}  {'loss':>7}  {'result':>9}  {'sync s (status)':>15}  {'bytes':>7}  rollout == trainer"
+    )
+    for record in first:
+        step = record.get("step")
+        if step is None:
+            continue
+        s = recent.get(step, {})
+        same = all(
+            any(r.get("step") == step and r.get("rollout_matches_trainer") for r in lines)
+            for lines in results.values()
+        )
+        print(
+            f"{step:>4}  {record['loss']:>7.4f}  {s.get('result', '-'):>9}  {s.get('syncSeconds', 0):>15.4f}"
+            "  "
+            f"{s.get('bytes', 0):>7}  {'yes, every pod' if same else 'NO'}"
+        )
+    print(
+        f"phase {status.get('phase')}; conditions: "
+        + ", ".join(f"{c['type']}={c['status']}" for c in status.get("conditions", []))
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
