@@ -127,7 +127,12 @@ class TensorShard:
         return self.box.numel * dtype_bytes(self.dtype)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.global_shape), "dtype": self.dtype, "box": self.box.to_json()}
+        return {
+            "name": self.name,
+            "shape": list(self.global_shape),
+            "dtype": self.dtype,
+            "box": self.box.to_json(),
+        }
 
     @staticmethod
     def from_json(data: dict) -> TensorShard:
