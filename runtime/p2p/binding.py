@@ -101,7 +101,7 @@ class LocalTensors:
         self,
         rank: int,
         device: torch.device,
-        shards: Mapping[str, Mapping[str, tuple[tuple[int, ...], str]]],
+        shards: Mapping[str, Mapping[str, tuple[tuple[int, ...], torch.dtype]]],
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         needed: Mapping[str, set[str]],
     ) -> None:
@@ -116,7 +116,7 @@ class LocalTensors:
                 what = f"{name}: the local {kind} on rank {rank}"
                 if tuple(tensor.shape) != shape:
                     raise ShardError(f"{what} has shape {tuple(tensor.shape)}, its shard is {list(shape)}")
-                if tensor.dtype != torch_dtype(dtype):
+                if tensor.dtype != dtype:
                     raise ShardError(f"{what} is {tensor.dtype}, expected {dtype}")
                 if tensor.device != device:
                     raise ShardError(f"{what} is on {tensor.device}, the exchange on {device}")

@@ -30,7 +30,7 @@ from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
-from colocate_runtime.p2p.staging import Arena, box_view, typed_view
+from colocate_runtime.p2p.staging import Arena, box_view, torch_dtype, typed_view
 from colocate_runtime.shards import ShardError
 
 log = logging.getLogger("colocate_runtime.p2p")
@@ -112,13 +112,16 @@ class P2PExchange:
         self._polls = dist.get_backend(group) == "nccl"
         self._work = resolve(schedule, senders, receivers)
         self._shards = {
-            SOURCE: {p.name: (b.lengths, p.dtype) for p in senders.params if (b := p.box_of(self.rank))},
-            TARGET: {p.name: (b.lengths, p.dtype) for p in receivers.params if (b := p.box_of(self.rank))},
+            SOURCE: _local_shards(senders, self.rank),
+            TARGET: _local_shards(receivers, self.rank),
         }
         self._needed = {
             SOURCE: {t.name for t in schedule.local} | _names(self._work, sending=True),
             TARGET: {t.name for t in schedule.local} | _names(self._work, sending=False),
         }
+        self._bytes_sent = _payload(schedule, sending=True)
+        self._bytes_received = _payload(schedule, sending=False)
+        self._bytes_local = sum(t.wire_bytes for t in schedule.local)
 
     @classmethod
     def create(
@@ -217,9 +220,9 @@ class P2PExchange:
             rank=self.rank,
             n_chunks=n_chunks,
             batches=sum(len(chunk) for chunk in work),
-            bytes_sent=_payload(self.schedule, sending=True),
-            bytes_received=_payload(self.schedule, sending=False),
-            bytes_local=sum(t.wire_bytes for t in self.schedule.local),
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            bytes_local=self._bytes_local,
             staging_bytes=arena.nbytes,
             seconds=time.perf_counter() - start,
             trace=tuple(trace),
@@ -234,9 +237,9 @@ class P2PExchange:
 
     def _preflight(self, *, failed: bool, n_chunks: int) -> int:
         """One MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
-        votes = torch.zeros(self.world + 1, dtype=torch.int64, device=self.device)
-        votes[self.rank] = int(failed)
-        votes[self.world] = n_chunks
+        ballot = [0] * (self.world + 1)
+        ballot[self.rank], ballot[self.world] = int(failed), n_chunks
+        votes = torch.tensor(ballot, dtype=torch.int64).to(self.device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         if not self._wait([work], time.monotonic() + self.config.timeout_s):
             self._abort_quietly()
@@ -481,6 +484,15 @@ class P2PExchange:
             item.recv_bytes,
             item.seconds,
         )
+
+
+def _local_shards(layout: Layout, rank: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    out = {}
+    for p in layout.params:
+        box = p.box_of(rank)
+        if box is not None:
+            out[p.name] = (box.lengths, torch_dtype(p.dtype))
+    return out
 
 
 def _staging(chunk: tuple[BatchWork, ...], local: LocalTensors) -> int:
