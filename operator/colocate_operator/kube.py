@@ -89,6 +89,8 @@ class Kube:
             k8s_config.load_kube_config(
                 config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
             )
+        # Handler threads, resync workers and requeue timers share it: keep their TLS connections.
+        configuration.connection_pool_maxsize = 32
         return cls(k8s_client.ApiClient(configuration))
 
     def _request(
