@@ -34,6 +34,8 @@ class ClusterSpec:
     bin_dir: Path | None = None
     ready_timeout: float = 180.0  # 2 shared cores: a cold apiserver can need a minute
     verbose: bool = True
+    # Appended to kube-apiserver's command line, e.g. an audit policy for benchmarks; later flags win.
+    extra_apiserver_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_nodes < 0 or self.gpus_per_node < 1:
@@ -199,6 +201,7 @@ class Cluster:
             "--service-cluster-ip-range=10.96.0.0/16",
             "--allow-privileged=true",
             "--profiling=false",
+            *self.spec.extra_apiserver_args,
         )
         apiserver.wait_until(
             lambda: http_ok(f"{self.server}/readyz", token=self.token, ca=pki.ca_cert), timeout, "ready"
