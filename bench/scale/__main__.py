@@ -1,0 +1,119 @@
+"""`python -m bench.scale`: our operator and KubeRay's, each alone, on one local control plane with many
+fake 8-GPU nodes (kwok), at several numbers of jobs. See docs/benchmarks.md ("Operator at scale").
+
+    .venv/bin/python -m bench.scale --sizes 10,50,100,250 --nodes 1000
+
+Writes <out>/results.json (every figure of every run), <out>/tables.md and the plot; the control plane's
+logs, the operators' logs and the audit log stay in --workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.scale import report
+from bench.scale.run import RunSpec, run
+from bench.scale.testbed import ROOT, Testbed, cpu_nodes_for, say
+from bench.scale.workloads import PODS_PER_JOB
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--sizes", default="10,50,100,250", help="numbers of jobs, comma-separated")
+    parser.add_argument("--nodes", type=int, default=1000, help="fake GPU nodes of 8 GPUs (default 1000)")
+    parser.add_argument("--operators", default="colocate,kuberay", help="colocate, kuberay or both")
+    parser.add_argument("--settle", type=float, default=30.0, help="seconds after all jobs are up")
+    parser.add_argument("--steady", type=float, default=60.0, help="idle window measured afterwards (s)")
+    parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "scale" / "results")
+    parser.add_argument("--plots", type=Path, default=None, help="write the PNG here (e.g. docs)")
+    return parser.parse_args(argv)
+
+
+def build_kuberay() -> tuple[Path, Path]:
+    """The ray-operator binary and KubeRay's module directory (its CRDs), via scripts/build-kuberay.sh."""
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build-kuberay.sh")], capture_output=True, text=True, timeout=1800
+    )
+    sys.stderr.write(out.stderr)
+    if out.returncode != 0:
+        raise SystemExit(f"scripts/build-kuberay.sh failed ({out.returncode})")
+    bin_dir, module_dir = out.stdout.strip().splitlines()[-2:]
+    return Path(bin_dir) / "ray-operator", Path(module_dir) / "config" / "crd" / "bases"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    operators = [o.strip() for o in args.operators.split(",") if o.strip()]
+    if unknown := set(operators) - {"colocate", "kuberay"}:
+        raise SystemExit(f"unknown operators: {', '.join(sorted(unknown))}")
+    if max(sizes) * PODS_PER_JOB > args.nodes:
+        raise SystemExit(
+            f"{max(sizes)} jobs need {max(sizes) * PODS_PER_JOB} GPU nodes; --nodes is {args.nodes}"
+        )
+    kuberay_bin, kuberay_crds = build_kuberay() if "kuberay" in operators else (None, None)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="colocate-scale-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    say(f"work directory (logs, audit log): {workdir}")
+    bed = Testbed(workdir, args.nodes, cpu_nodes_for(max(sizes)), kuberay_crd_dir=kuberay_crds)
+    started = time.monotonic()
+    bed.start()
+    runs = []
+    try:
+        for size in sizes:
+            for operator in operators:
+                spec = RunSpec(operator, size, settle_seconds=args.settle, steady_seconds=args.steady)
+                runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))
+                _write(args.out, args, runs, time.monotonic() - started)
+    finally:
+        bed.stop()
+    tables = report.render(runs)
+    (args.out / "tables.md").write_text(tables)
+    print(tables)
+    if args.plots:
+        for path in report.plot(runs, args.plots):
+            say(f"wrote {path}")
+    say(f"done in {(time.monotonic() - started) / 60:.1f} min; results in {args.out / 'results.json'}")
+    return 0
+
+
+def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float) -> None:
+    meta = {
+        "command": "python -m bench.scale " + " ".join(sys.argv[1:]),
+        "nodes": args.nodes,
+        "machine": {"cpus": _cpus(), "python": platform.python_version()},
+        "elapsed_seconds": elapsed,
+        "git": _git_head(),
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

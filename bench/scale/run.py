@@ -1,0 +1,328 @@
+"""One measured run: one operator, alone, against the testbed, with N jobs in a fresh namespace.
+
+Timeline (all times time.time() on this machine):
+  t0      the harness sends the first job's create request (operator already running and idle)
+  created each job's create request has returned
+  ...     wait until every GPU pod is Running and the operator reports every job up
+  up      that moment: the "startup" window is [t0, up)
+  t1      up plus a settle period: the "settle" window [up, t1) catches what the operator still does
+  t2      t1 plus the steady period: the "steady" window [t1, t2), nothing changes in the cluster
+Then the operator is stopped and the namespace deleted (pods force-deleted first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.scale import audit
+from bench.scale.kubeapi import ApiError
+from bench.scale.operators import (
+    OperatorProcess,
+    Sampler,
+    colocate_operator,
+    kuberay_operator,
+    peak_rss,
+    usage,
+)
+from bench.scale.testbed import Testbed, say, username
+from bench.scale.tracker import PodTimes, Tracker
+from bench.scale.workloads import PODS_PER_JOB, WORKLOADS, Workload, job_name
+
+_ERROR_LINE = re.compile(r'"(?:level|severity|levelname)"\s*:\s*"(?:error|critical|fatal)"', re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    operator: str
+    jobs: int
+    settle_seconds: float = 30.0
+    steady_seconds: float = 60.0
+
+    @property
+    def timeout(self) -> float:
+        """Bound on the wait for every pod Running."""
+        return 180.0 + 2.0 * self.jobs
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _operator(
+    bed: Testbed, spec: RunSpec, namespace: str, logs: Path, kuberay: Path | None
+) -> OperatorProcess:
+    log = logs / f"{spec.operator}-{spec.jobs}.log"
+    if spec.operator == "colocate":
+        return colocate_operator(namespace, bed.kubeconfigs["colocate"], log)
+    assert kuberay is not None, "the KubeRay operator binary is needed"
+    return kuberay_operator(kuberay, namespace, bed.kubeconfigs["kuberay"], log)
+
+
+def _latencies(
+    workload: Workload, created: dict[str, float], pods: list[PodTimes], ready: dict[str, float]
+) -> dict[str, list[float]]:
+    by_job: dict[str, list[PodTimes]] = {}
+    for pod in pods:
+        if pod.gpu:
+            by_job.setdefault(pod.job, []).append(pod)
+    out: dict[str, list[float]] = {"pods_created": [], "pods_running": [], "job_ready": []}
+    for job, at in created.items():
+        mine = by_job.get(job, [])
+        if len(mine) >= PODS_PER_JOB:
+            out["pods_created"].append(max(p.created for p in mine) - at)
+            if all(p.running is not None for p in mine):
+                out["pods_running"].append(max(p.running or 0.0 for p in mine) - at)
+        if job in ready:
+            out["job_ready"].append(ready[job] - at)
+    return out
+
+
+def _final_state(bed: Testbed, workload: Workload, namespace: str) -> dict[str, Any]:
+    """Does every job's status agree with its pods once things are quiet? (No lost update.)"""
+    items = bed.api.get(workload.path(namespace))["items"]
+    wrong: list[str] = []
+    for item in items:
+        status = item.get("status") or {}
+        if workload.operator == "colocate":
+            ok = (
+                status.get("phase") == "Running"
+                and (status.get("replicas") or {}).get("running") == PODS_PER_JOB
+                and status.get("ready") == f"{PODS_PER_JOB}/{PODS_PER_JOB}"
+                and status.get("observedGeneration") == item["metadata"].get("generation")
+            )
+        else:
+            ok = status.get("state") == "ready" and status.get("readyWorkerReplicas") == PODS_PER_JOB - 1
+        if not ok:
+            wrong.append(item["metadata"]["name"])
+    pods = bed.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
+    gpu_pods = [p for p in pods if workload.is_gpu_pod(p)]
+    return {
+        "jobs": len(items),
+        "jobs_with_stale_status": len(wrong),
+        "stale_examples": wrong[:5],
+        "gpu_pods": len(gpu_pods),
+        "gpu_pods_not_running": sum(1 for p in gpu_pods if (p.get("status") or {}).get("phase") != "Running"),
+        "other_pods": len(pods) - len(gpu_pods),
+        "other_pods_running": sum(
+            1
+            for p in pods
+            if not workload.is_gpu_pod(p) and (p.get("status") or {}).get("phase") == "Running"
+        ),
+    }
+
+
+def _busy(before: Any, after: Any) -> float:
+    total = sum(after) - sum(before)
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+    return (total - idle) / total if total > 0 else 0.0
+
+
+def _log_errors(path: Path) -> dict[str, Any]:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    bad = [line for line in lines if _ERROR_LINE.search(line) or line.startswith("Traceback")]
+    return {"lines": len(lines), "error_lines": len(bad), "examples": [b[:400] for b in bad[:3]]}
+
+
+@dataclass
+class _Timeline:
+    t0: float = 0.0
+    created_all: float = 0.0
+    done: float = 0.0
+    t1: float = 0.0
+    t2: float = 0.0
+    complete: bool = False
+    create_errors: int = 0
+
+
+def _create_jobs(
+    bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline
+) -> dict[str, float]:
+    created: dict[str, float] = {}
+    tl.t0 = time.time()
+    for i in range(jobs):
+        name = job_name(i)
+        try:
+            bed.api.create(workload.path(namespace), workload.manifest(namespace, name))
+        except ApiError as e:
+            tl.create_errors += 1
+            say(f"create {name} failed: {e}")
+            continue
+        created[name] = time.time()
+    tl.created_all = time.time()
+    return created
+
+
+def _wait_up(spec: RunSpec, tracker: Tracker, operator: OperatorProcess, tl: _Timeline) -> None:
+    """Until every GPU pod is Running and the operator reports every job up; bounded by spec.timeout."""
+    want = spec.jobs * PODS_PER_JOB
+    deadline = time.monotonic() + spec.timeout
+    last_report = time.monotonic()
+    while time.monotonic() < deadline:
+        running, ready = tracker.gpu_pods_running(), tracker.jobs_ready()
+        if running >= want and ready >= spec.jobs:
+            tl.complete = True
+            break
+        if not operator.alive():
+            say(f"{spec.operator} operator died: {operator.tail(1500)}")
+            break
+        if time.monotonic() - last_report > 15:
+            say(
+                f"  {running}/{want} GPU pods Running, {ready}/{spec.jobs} jobs up, "
+                f"{time.time() - tl.t0:.0f} s"
+            )
+            last_report = time.monotonic()
+        time.sleep(0.2)
+    tl.done = time.time()
+
+
+def run(bed: Testbed, spec: RunSpec, logs: Path, kuberay: Path | None = None) -> dict[str, Any]:
+    """Measure one operator with spec.jobs jobs; the operator is stopped and the namespace deleted after,
+    whatever happens."""
+    workload = WORKLOADS[spec.operator]
+    namespace = f"{spec.operator}-{spec.jobs}"
+    say(f"run {spec.operator} x {spec.jobs} jobs in namespace {namespace}")
+    bed.create_namespace(namespace)
+    try:
+        bed.wait_listable(workload.path(namespace))
+        operator = _operator(bed, spec, namespace, logs, kuberay)
+        try:
+            return _measure(bed, spec, workload, namespace, operator)
+        finally:
+            operator.stop()
+    finally:
+        deleted_in = bed.delete_namespace(namespace, workload.plural, workload.api_version)
+        say(f"  namespace {namespace} deleted in {deleted_in:.1f} s")
+
+
+def _measure(
+    bed: Testbed, spec: RunSpec, workload: Workload, namespace: str, operator: OperatorProcess
+) -> dict[str, Any]:
+    log = audit.AuditLog(bed.audit_log)
+    started = time.monotonic()
+    operator.start()
+    say(f"{spec.operator} operator ready in {time.monotonic() - started:.1f} s (pid {operator.pid})")
+    sampler = Sampler(operator.pid).start()
+    tracker = Tracker(bed.api, workload, namespace).start()
+    apiserver = bed.pid_of("kube-apiserver") or 0
+    tl = _Timeline()
+    try:
+        time.sleep(2)  # watches established, operator idle
+        u0, a0, m0 = usage(operator.pid), usage(apiserver), psutil.cpu_times()
+        created = _create_jobs(bed, workload, namespace, spec.jobs, tl)
+        _wait_up(spec, tracker, operator, tl)
+        ud, ad, md = usage(operator.pid), usage(apiserver), psutil.cpu_times()
+        load = os.getloadavg()[0]
+        pods, ready_at = tracker.snapshot()
+        time.sleep(spec.settle_seconds)
+        tl.t1, u1, a1 = time.time(), usage(operator.pid), usage(apiserver)
+        time.sleep(spec.steady_seconds)
+        tl.t2, u2, a2 = time.time(), usage(operator.pid), usage(apiserver)
+        final = _final_state(bed, workload, namespace)
+        hwm = peak_rss(operator.pid)
+        sampler.sample()
+    finally:
+        sampler.stop()
+        tracker.stop()
+    operator.stop()
+    time.sleep(1)
+    log.refresh()
+    user = username(spec.operator)
+    startup = audit.count(log.window(user, tl.t0, tl.done), workload.plural)
+    settle = audit.count(log.window(user, tl.done, tl.t1), workload.plural)
+    steady = audit.count(log.window(user, tl.t1, tl.t2), workload.plural)
+
+    want = spec.jobs * PODS_PER_JOB
+    gpu_running = [p.running for p in pods if p.gpu and p.running is not None]
+    t_all_running = max(gpu_running) if len(gpu_running) >= want else None
+    t_all_ready = max(ready_at.values()) if len(ready_at) >= spec.jobs else None
+    if tl.complete:
+        say(
+            f"  all {want} GPU pods Running after {(t_all_running or tl.done) - tl.t0:.1f} s, "
+            f"all jobs up after {(t_all_ready or tl.done) - tl.t0:.1f} s"
+        )
+    else:
+        say(
+            f"  NOT COMPLETE after {tl.done - tl.t0:.0f} s: {len(gpu_running)}/{want} GPU pods Running, "
+            f"{len(ready_at)}/{spec.jobs} jobs up"
+        )
+    latencies = _latencies(workload, created, pods, ready_at)
+    raw = {"created": created, "ready": ready_at, "pods": [asdict(p) for p in pods], "t0": tl.t0}
+    (operator.log_path.parent / f"{spec.operator}-{spec.jobs}-timeline.json").write_text(json.dumps(raw))
+    jobs = max(1, spec.jobs)
+    per_minute = 60.0 / spec.steady_seconds / jobs if spec.steady_seconds else 0.0
+    result = {
+        "operator": spec.operator,
+        "jobs": spec.jobs,
+        "spec": asdict(spec),
+        "complete": tl.complete,
+        "create_errors": tl.create_errors,
+        "create_seconds": tl.created_all - tl.t0,
+        "all_pods_running_seconds": (t_all_running - tl.t0) if t_all_running else None,
+        "all_jobs_ready_seconds": (t_all_ready - tl.t0) if t_all_ready else None,
+        "latency": {
+            kind: {
+                "p50": percentile(values, 50),
+                "p99": percentile(values, 99),
+                "max": max(values) if values else None,
+                "n": len(values),
+            }
+            for kind, values in latencies.items()
+        },
+        "requests": {
+            "startup": startup.as_dict(),
+            "settle": settle.as_dict(),
+            "steady": steady.as_dict(),
+            "startup_per_job": startup.total / jobs,
+            "steady_per_job_per_minute": steady.total * per_minute,
+            "status_writes_startup_per_job": startup.status_writes / jobs,
+            "status_writes_settle_per_job": settle.status_writes / jobs,
+            "status_writes_steady_per_job_per_minute": steady.status_writes * per_minute,
+            "job_writes_startup_per_job": startup.job_writes / jobs,
+        },
+        "operator_cpu_seconds": {
+            "startup": ud.cpu_seconds - u0.cpu_seconds,
+            "settle": u1.cpu_seconds - ud.cpu_seconds,
+            "steady": u2.cpu_seconds - u1.cpu_seconds,
+        },
+        "apiserver_cpu_seconds": {
+            "startup": ad.cpu_seconds - a0.cpu_seconds,
+            "settle": a1.cpu_seconds - ad.cpu_seconds,
+            "steady": a2.cpu_seconds - a1.cpu_seconds,
+        },
+        # The machine is shared: how busy it was while the jobs started (all cores, 1.0 = all busy).
+        "machine": {"busy_fraction_startup": _busy(m0, md), "loadavg_1m_after_startup": load},
+        "operator_rss_bytes": {
+            "idle": u0.rss_bytes,
+            "end": u2.rss_bytes,
+            "peak_sampled": sampler.peak_rss_bytes,
+            "peak_vmhwm": hwm,
+        },
+        "final_state": final,
+        "operator_log": _log_errors(operator.log_path),
+        "tracker_errors": tracker.errors,
+        "status_changes_seen_per_job": sum(tracker.job_status_changes.values()) / jobs,
+        "step_events": "not measured: the operator has no step-event consumer yet",
+        "windows": {"t0": tl.t0, "up": tl.done, "t1": tl.t1, "t2": tl.t2},
+    }
+    say(
+        f"  requests/job {result['requests']['startup_per_job']:.1f}, "
+        f"status writes/job {result['requests']['status_writes_startup_per_job']:.1f}, "
+        f"operator CPU {result['operator_cpu_seconds']['startup']:.1f} s, "
+        f"peak RSS {max(hwm, sampler.peak_rss_bytes) / 2**20:.0f} MiB"
+    )
+    return result

@@ -1,0 +1,76 @@
+"""The scale benchmark's harness end to end at a tiny size: its own control plane (with the audit log the
+request counts come from), 8 fake GPU nodes, 2 ColocateJobs of 4 pods, our operator only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.scale import audit, report
+from bench.scale.run import RunSpec, percentile, run
+from bench.scale.testbed import Testbed, username
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
+    bed = Testbed(tmp_path / "bed", gpu_nodes=8, cpu_nodes=1).start()
+    try:
+        result = run(bed, RunSpec("colocate", 2, settle_seconds=1, steady_seconds=1), tmp_path / "logs")
+    finally:
+        bed.stop()
+    assert result["complete"], result
+    assert result["final_state"]["jobs_with_stale_status"] == 0
+    assert result["final_state"]["gpu_pods"] == 8
+    assert 0 < result["all_pods_running_seconds"] < 60
+    assert result["latency"]["pods_running"]["n"] == 2
+    # Counted from the audit log: the operator created 8 pods and wrote each job's status at least once.
+    startup = result["requests"]["startup"]
+    assert startup["by_kind"]["create pods"] == 8
+    assert result["requests"]["status_writes_startup_per_job"] >= 1
+    assert result["operator_rss_bytes"]["peak_vmhwm"] > 10 * 2**20
+    assert result["operator_cpu_seconds"]["startup"] > 0
+    tables = report.render([result])
+    assert "| 2 | ColocateJob (ours) |" in tables
+
+
+def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> None:
+    user = username("colocate")
+
+    def line(verb: str, resource: str, sub: str = "", code: int = 200, at: str = "00:00:01") -> str:
+        return json.dumps(
+            {
+                "verb": verb,
+                "user": {"username": user},
+                "objectRef": {"resource": resource, **({"subresource": sub} if sub else {})},
+                "responseStatus": {"code": code},
+                "requestReceivedTimestamp": f"2026-01-01T{at}.500000Z",
+            }
+        )
+
+    path = tmp_path / "audit.log"
+    path.write_text(
+        "\n".join(
+            [
+                line("patch", "colocatejobs", "status"),
+                line("patch", "colocatejobs", "status", code=409),
+                line("patch", "colocatejobs"),
+                line("create", "pods"),
+                line("get", "services", code=404),
+                line("list", "pods", at="00:00:09"),
+            ]
+        )
+        + "\n"
+    )
+    log = audit.AuditLog(path)
+    log.refresh()
+    start = log.requests[0].received - 1
+    counts = audit.count(log.window(user, start, start + 5), "colocatejobs")
+    assert (counts.total, counts.writes, counts.status_writes, counts.job_writes) == (5, 4, 1, 1)
+    assert dict(counts.errors) == {404: 1, 409: 1}
+    assert log.window("someone-else", start, start + 100) == []
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([], 99) is None
