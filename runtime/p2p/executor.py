@@ -18,8 +18,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -27,18 +25,15 @@ import torch.distributed as dist
 from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Wire, resolve
 from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, aligned, assign_chunks, rank_schedule
 from colocate_runtime.p2p.config import ExecutorConfig
-from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError, PlanMismatchError
+from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
 from colocate_runtime.p2p.staging import Arena, box_view, torch_dtype, typed_view
+from colocate_runtime.p2p.waiting import Deadlines
 from colocate_runtime.shards import ShardError
 
 log = logging.getLogger("colocate_runtime.p2p")
 
-# Waiting on NCCL: yield for a while (sleep granularity on VMs can exceed a chunk's time on the wire), then
-# sleep in small steps.
-_POLL_SPINS = 20_000
-_POLL_SLEEP_S = 1e-3
 # Chunks the host may post before confirming older ones, and the queued launches (copies and messages)
 # behind unconfirmed chunks beyond which it waits: a stuck peer must show up as a timeout, not as the host
 # blocking in a full CUDA launch queue.
@@ -48,7 +43,6 @@ _MAX_QUEUED_LAUNCHES = 512
 _CONNECT_BYTES = 1 << 20
 _TAGS_PER_CHUNK = 1 << 12
 _TAG_LIMIT = (1 << 31) - 1
-_GONE = "a rank is dead, stuck or on a different schedule; the process group is no longer usable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +103,8 @@ class P2PExchange:
         self.config = config
         self.rank = schedule.rank
         self.world = schedule.world
-        self._polls = dist.get_backend(group) == "nccl"
+        self._deadlines = Deadlines(group, self.rank, config.timeout_s)
+        self._polls = self._deadlines.polls
         self._work = resolve(schedule, senders, receivers)
         self._shards = {
             SOURCE: _local_shards(senders, self.rank),
@@ -229,9 +224,8 @@ class P2PExchange:
         )
 
     def abort(self) -> None:
-        """Tear the communicator down after a timeout so stuck NCCL kernels cannot outlive the error."""
-        if dist.get_backend(self.group) == "nccl":
-            dist.distributed_c10d._abort_process_group(self.group)
+        """Tear the NCCL communicator down (done on every timeout) so stuck kernels cannot outlive it."""
+        self._deadlines.abort()
 
     # -- agreement -----------------------------------------------------------------------------------------
 
@@ -241,12 +235,7 @@ class P2PExchange:
         ballot[self.rank], ballot[self.world] = int(failed), n_chunks
         votes = torch.tensor(ballot, dtype=torch.int64).to(self.device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if not self._wait([work], time.monotonic() + self.config.timeout_s):
-            self._abort_quietly()
-            waited = f"{self.config.timeout_s:g} s"
-            raise P2PError(
-                f"rank {self.rank}: the group did not meet to start the run within {waited}: {_GONE}"
-            )
+        self._deadlines.wait_for_group([work], "the all-reduce that starts the run")
         values = votes.tolist()
         bad = [r for r, f in enumerate(values[: self.world]) if f]
         if bad and not failed:
@@ -268,8 +257,13 @@ class P2PExchange:
                     dist.P2POp(dist.irecv, back, group=self.group, group_peer=peer),
                 ]
             )
-            if not self._wait([w for w in works if w is not None], time.monotonic() + self.config.timeout_s):
-                self._timed_out(peer, f"connecting, round {round_}", chunk=-1, round_=round_)
+            self._deadlines.wait_for_peer(
+                [w for w in works if w is not None],
+                peer,
+                f"connecting, round {round_}",
+                chunk=-1,
+                round_=round_,
+            )
 
     # -- the chunk loop ------------------------------------------------------------------------------------
 
@@ -404,60 +398,13 @@ class P2PExchange:
                 self._await(p, index, n_chunks)
                 self._trace(trace, start, index, p.work, "drained")
 
-    # -- waiting with deadlines ----------------------------------------------------------------------------
-
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
         batch = posted.work.batch
-        try:
-            done = self._wait(posted.works, time.monotonic() + self.config.timeout_s)
-        except RuntimeError as exc:
-            raise P2PError(
-                f"rank {self.rank}: exchange with peer {batch.peer} failed "
-                f"in chunk {chunk + 1} of {n_chunks}: {exc}"
-            ) from exc
-        if not done:
-            self._timed_out(
-                batch.peer,
-                f"chunk {chunk + 1} of {n_chunks}, round {batch.round}, sending {batch.send_bytes} B, "
-                f"receiving {batch.recv_bytes} B",
-                chunk=chunk,
-                round_=batch.round,
-            )
-
-    def _wait(self, works: list, deadline: float) -> bool:
-        """Whether `works` completed before `deadline`. NCCL works are polled (their wait() only orders
-        streams); CPU transports block in a wait() that is given the remaining time."""
-        if self._polls:
-            spins = 0
-            while not all(w.is_completed() for w in works):
-                if time.monotonic() > deadline:
-                    return False
-                spins += 1
-                time.sleep(0 if spins < _POLL_SPINS else _POLL_SLEEP_S)
-            for w in works:
-                w.wait()
-            return True
-        for w in works:
-            try:
-                w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-            except RuntimeError:
-                if time.monotonic() >= deadline:
-                    return False
-                raise
-        return True
-
-    def _timed_out(self, peer: int, where: str, *, chunk: int, round_: int) -> NoReturn:
-        waited = f"{self.config.timeout_s:g} s"
-        message = f"rank {self.rank}: no progress for {waited} waiting on peer {peer} ({where}): {_GONE}"
-        log.error(message)
-        self._abort_quietly()
-        raise PeerTimeoutError(message, peer=peer, chunk=chunk, round_=round_)
-
-    def _abort_quietly(self) -> None:
-        try:
-            self.abort()
-        except Exception:  # best effort: the timeout is the error worth reporting
-            log.exception("rank %d: aborting the process group failed", self.rank)
+        where = (
+            f"chunk {chunk + 1} of {n_chunks}, round {batch.round}, sending {batch.send_bytes} B, "
+            f"receiving {batch.recv_bytes} B"
+        )
+        self._deadlines.wait_for_peer(posted.works, batch.peer, where, chunk=chunk, round_=batch.round)
 
     def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: BatchWork, event: str) -> None:
         if not self.config.trace:
