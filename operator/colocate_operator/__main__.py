@@ -1,7 +1,8 @@
 """`python -m colocate_operator` / `colocate-operator`: run the operator against the current kubeconfig.
 
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG (or ~/.kube/config).
-Logs are JSON lines on stderr; the liveness endpoint answers on --liveness (kopf's /healthz).
+Logs are JSON lines on stderr; the liveness endpoint answers on --liveness (kopf's /healthz); Prometheus
+metrics on --metrics-port.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import kopf
 
-from colocate_operator import handlers
+from colocate_operator import handlers, metrics
 from colocate_operator.config import ConfigError, OperatorConfig
 
 
@@ -38,6 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="kopf peering object name; default: standalone (run exactly one replica)",
     )
     parser.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics on this port at /metrics; 0 (default) disables",
+    )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json", help="default: json")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
@@ -57,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         logging.getLogger("colocate_operator").error("invalid configuration: %s", e)
         return 2
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     registry = kopf.get_default_registry()
     handlers.register(registry, config)
     kopf.run(

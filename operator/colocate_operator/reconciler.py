@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from colocate_operator import conditions, gpus, kube, names
+from colocate_operator import conditions, gpus, kube, metrics, names
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND, OPERATOR_NAME
 from colocate_operator.decide import EventSpec, Plan, decide, status_patch
@@ -97,6 +97,7 @@ class Reconciler:
                 requeue = self._pass(namespace, name)
             except Exception:
                 self.stats.errors += 1
+                metrics.RECONCILE_ERRORS.inc()
                 log.exception("reconcile failed", extra={"job": f"{namespace}/{name}"})
                 requeue = 5.0
             self.stats.passes += 1
@@ -107,6 +108,7 @@ class Reconciler:
             with self._slots_lock:
                 if not slot.waiting and self._slots.get(key) is slot:
                     del self._slots[key]
+            metrics.forget_job(namespace, name)
             return
         self._schedule(key, slot, requeue)
 
@@ -274,6 +276,9 @@ class Reconciler:
             if e.status in (404, 409):
                 return False
             raise
+        metrics.STATUS_WRITES.labels("reconciler").inc()
+        if "restarts" in patch:
+            metrics.RESTARTS.labels(job.ref.namespace, job.ref.name).set(patch["restarts"])
         changed = sorted(patch)
         log.info(
             "status updated",

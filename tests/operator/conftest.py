@@ -32,10 +32,10 @@ class OperatorProcess:
         self.log_path = log_path
         self.env = {"COLOCATE_RECONCILE_INTERVAL_SECONDS": "2", **env}
         self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
+        self.port = self.metrics_port = 0
 
     def start(self, timeout: float = 60, **env: str) -> OperatorProcess:
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [
@@ -46,6 +46,7 @@ class OperatorProcess:
                     self.namespace,
                     "--liveness",
                     f"http://127.0.0.1:{self.port}/healthz",
+                    f"--metrics-port={self.metrics_port}",
                 ],
                 cwd=ROOT,
                 env={**os.environ, **self.env, **env},
@@ -77,6 +78,10 @@ class OperatorProcess:
                 self.process.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return response.read().decode()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -180,6 +180,9 @@ def test_pod_failure_restarts_whole_group_then_fails_after_max_restarts(
     assert status["restarts"] == 1
     assert condition(status, "Restarting")["status"] == "False"
     assert "RestartingGroup" in job_event_reasons(cluster, namespace)
+    scraped = operator_process.metrics()
+    assert f'colocate_job_restarts{{job="demo",namespace="{namespace}"}} 1.0' in scraped
+    assert 'colocate_status_writes_total{writer="reconciler"}' in scraped
 
     cluster.kubectl("delete", "pod", "demo-0", "-n", namespace, "--wait=false")  # a deleted pod counts too
     status = wait_phase(cluster, namespace, "Failed")
