@@ -10,6 +10,7 @@ logs, the operators' logs and the audit log stay in --workdir.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import subprocess
@@ -32,9 +33,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--sizes", default="10,50,100,250", help="numbers of jobs, comma-separated")
     parser.add_argument("--nodes", type=int, default=1000, help="fake GPU nodes of 8 GPUs (default 1000)")
-    parser.add_argument("--operators", default="colocate,kuberay", help="colocate, kuberay or both")
+    parser.add_argument(
+        "--operators",
+        default="colocate,kuberay,colocate-steps",
+        help="comma-separated: colocate (ours, defaults), kuberay, colocate-steps (ours with the step-event "
+        "daemon and an External meta-store, plus the step-event window)",
+    )
     parser.add_argument("--settle", type=float, default=30.0, help="seconds after all jobs are up")
     parser.add_argument("--steady", type=float, default=60.0, help="idle window measured afterwards (s)")
+    parser.add_argument("--steps", type=float, default=60.0, help="step-event window of colocate-steps (s)")
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "scale" / "results")
     parser.add_argument("--plots", type=Path, default=None, help="write the PNG here (e.g. docs)")
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     operators = [o.strip() for o in args.operators.split(",") if o.strip()]
-    if unknown := set(operators) - {"colocate", "kuberay"}:
+    if unknown := set(operators) - {"colocate", "kuberay", "colocate-steps"}:
         raise SystemExit(f"unknown operators: {', '.join(sorted(unknown))}")
     if max(sizes) * PODS_PER_JOB > args.nodes:
         raise SystemExit(
@@ -67,14 +74,26 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="colocate-scale-"))
     args.out.mkdir(parents=True, exist_ok=True)
     say(f"work directory (logs, audit log): {workdir}")
-    bed = Testbed(workdir, args.nodes, cpu_nodes_for(max(sizes)), kuberay_crd_dir=kuberay_crds)
+    bed = Testbed(
+        workdir,
+        args.nodes,
+        cpu_nodes_for(max(sizes)),
+        kuberay_crd_dir=kuberay_crds,
+        with_redis="colocate-steps" in operators,
+    )
     started = time.monotonic()
     bed.start()
     runs = []
     try:
         for size in sizes:
             for operator in operators:
-                spec = RunSpec(operator, size, settle_seconds=args.settle, steady_seconds=args.steady)
+                spec = RunSpec(
+                    operator,
+                    size,
+                    settle_seconds=args.settle,
+                    steady_seconds=args.steady,
+                    step_seconds=args.steps,
+                )
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))
                 _write(args.out, args, runs, time.monotonic() - started)
     finally:
@@ -96,6 +115,9 @@ def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float
         "machine": {"cpus": _cpus(), "python": platform.python_version()},
         "elapsed_seconds": elapsed,
         "git": _git_head(),
+        # The operator is measured as it is in the work tree, committed or not.
+        "operator_source_sha256": _source_digest(ROOT / "operator"),
+        "operator_tree_clean": _clean(ROOT / "operator"),
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 
@@ -104,6 +126,24 @@ def _cpus() -> int:
     import os
 
     return os.cpu_count() or 0
+
+
+def _source_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".yaml"):
+            digest.update(path.relative_to(directory).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _clean(directory: Path) -> bool:
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return out.returncode == 0 and not out.stdout.strip()
 
 
 def _git_head() -> str:

@@ -89,14 +89,17 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
-def colocate_operator(namespace: str, kubeconfig: Path, log_path: Path) -> OperatorProcess:
+def colocate_operator(
+    namespace: str, kubeconfig: Path, log_path: Path, *, with_steps: bool = False
+) -> OperatorProcess:
+    """`python -m colocate_operator`; with_steps: through the launcher that adds the step-event daemon."""
     port = free_port()
     return OperatorProcess(
-        "colocate",
+        "colocate-steps" if with_steps else "colocate",
         [
             sys.executable,
             "-m",
-            "colocate_operator",
+            "bench.scale.colocate_with_steps" if with_steps else "colocate_operator",
             "--namespace",
             namespace,
             "--liveness",
@@ -104,7 +107,7 @@ def colocate_operator(namespace: str, kubeconfig: Path, log_path: Path) -> Opera
         ],
         f"http://127.0.0.1:{port}/healthz",
         log_path,
-        {"KUBECONFIG": str(kubeconfig)},
+        {"KUBECONFIG": str(kubeconfig), **({"BENCH_WEIGHT_VERSION_SHIM": "1"} if with_steps else {})},
     )
 
 

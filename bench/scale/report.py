@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 MiB = 2**20
-NAMES = {"colocate": "ColocateJob (ours)", "kuberay": "KubeRay"}
+NAMES = {
+    "colocate": "ColocateJob (ours)",
+    "colocate-steps": "ColocateJob (ours), External meta-store + step daemon",
+    "kuberay": "KubeRay",
+}
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -177,8 +181,33 @@ def plot(results: list[dict[str, Any]], directory: Path) -> list[Path]:
     return [path]
 
 
+def steps_table(results: list[dict[str, Any]]) -> str:
+    head = (
+        "| jobs | steps per job | status writes / job / step | API requests / job / step "
+        "| status caught up after (s) | jobs behind | operator CPU during steps (s / s) |\n|"
+        + "---|" * 7
+        + "\n"
+    )
+    rows = []
+    for r in sorted(results, key=lambda r: r["jobs"]):
+        s = r.get("step_events")
+        if not isinstance(s, dict) or "status_writes_per_job_per_step" not in s:
+            continue
+        seconds = s["window"][1] - s["window"][0]
+        rows.append(
+            f"| {r['jobs']} | {s['steps']} | {s['status_writes_per_job_per_step']:.2f} "
+            f"| {s['requests_per_job_per_step']:.2f} | {s['catch_up_seconds']:.1f} "
+            f"| {s['jobs_behind_after_catch_up']} | {s['operator_cpu_seconds'] / seconds:.2f} |"
+        )
+    return head + "\n".join(rows) + "\n" if rows else ""
+
+
 def render(results: list[dict[str, Any]]) -> str:
-    return "### Figures\n\n" + figures_table(results) + "\n### Ours / KubeRay\n\n" + ratio_table(results)
+    text = "### Figures\n\n" + figures_table(results) + "\n### Ours / KubeRay\n\n" + ratio_table(results)
+    steps = steps_table(results)
+    if steps:
+        text += "\n### Status writes while every job reports one step per second\n\n" + steps
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

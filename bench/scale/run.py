@@ -32,9 +32,10 @@ from bench.scale.operators import (
     peak_rss,
     usage,
 )
+from bench.scale.steps import Emitter
 from bench.scale.testbed import Testbed, say, username
 from bench.scale.tracker import PodTimes, Tracker
-from bench.scale.workloads import PODS_PER_JOB, WORKLOADS, Workload, job_name
+from bench.scale.workloads import GPUS_PER_POD, PODS_PER_JOB, WORKLOADS, Workload, job_name
 
 _ERROR_LINE = re.compile(r'"(?:level|severity|levelname)"\s*:\s*"(?:error|critical|fatal)"', re.IGNORECASE)
 
@@ -45,6 +46,7 @@ class RunSpec:
     jobs: int
     settle_seconds: float = 30.0
     steady_seconds: float = 60.0
+    step_seconds: float = 60.0  # colocate-steps only: how long every job reports one step per second
 
     @property
     def timeout(self) -> float:
@@ -67,8 +69,9 @@ def _operator(
     bed: Testbed, spec: RunSpec, namespace: str, logs: Path, kuberay: Path | None
 ) -> OperatorProcess:
     log = logs / f"{spec.operator}-{spec.jobs}.log"
-    if spec.operator == "colocate":
-        return colocate_operator(namespace, bed.kubeconfigs["colocate"], log)
+    if spec.operator in ("colocate", "colocate-steps"):
+        with_steps = spec.operator == "colocate-steps"
+        return colocate_operator(namespace, bed.kubeconfigs["colocate"], log, with_steps=with_steps)
     assert kuberay is not None, "the KubeRay operator binary is needed"
     return kuberay_operator(kuberay, namespace, bed.kubeconfigs["kuberay"], log)
 
@@ -98,7 +101,7 @@ def _final_state(bed: Testbed, workload: Workload, namespace: str) -> dict[str, 
     wrong: list[str] = []
     for item in items:
         status = item.get("status") or {}
-        if workload.operator == "colocate":
+        if workload.kind == "colocate":
             ok = (
                 status.get("phase") == "Running"
                 and (status.get("replicas") or {}).get("running") == PODS_PER_JOB
@@ -123,6 +126,48 @@ def _final_state(bed: Testbed, workload: Workload, namespace: str) -> dict[str, 
             for p in pods
             if not workload.is_gpu_pod(p) and (p.get("status") or {}).get("phase") == "Running"
         ),
+    }
+
+
+def _step_phase(
+    bed: Testbed, spec: RunSpec, workload: Workload, namespace: str, jobs: list[str], pid: int
+) -> dict[str, Any] | None:
+    """colocate-steps only: every job reports one step per second for spec.step_seconds; then wait (at
+    most 120 s) until every job's status shows the last step. The audit window is counted afterwards."""
+    if spec.operator != "colocate-steps" or not spec.step_seconds or bed.redis is None:
+        return None
+    say(f"  step events: {len(jobs)} jobs x 1 step/s for {spec.step_seconds:.0f} s")
+    cpu0, start = usage(pid).cpu_seconds, time.time()
+    emitter = Emitter(bed.redis, namespace, jobs, PODS_PER_JOB, GPUS_PER_POD).start()
+    time.sleep(spec.step_seconds)
+    emitter.stop()
+    emitted_at = time.time()
+    behind = len(jobs)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        items = bed.api.get(workload.path(namespace))["items"]
+        behind = sum(
+            1
+            for item in items
+            if ((item.get("status") or {}).get("weightSync") or {}).get("lastCompletedStep") != emitter.steps
+        )
+        if behind == 0:
+            break
+        time.sleep(1)
+    end = time.time()
+    rounds = sorted(emitter.round_seconds)
+    say(
+        f"  {emitter.steps} steps emitted; status caught up {end - emitted_at:.1f} s later, "
+        f"{behind} jobs behind"
+    )
+    return {
+        "steps": emitter.steps,
+        "emitter_late_rounds": emitter.late_rounds,
+        "emitter_round_seconds_p50": rounds[len(rounds) // 2] if rounds else None,
+        "catch_up_seconds": end - emitted_at,
+        "jobs_behind_after_catch_up": behind,
+        "operator_cpu_seconds": usage(pid).cpu_seconds - cpu0,
+        "window": [start, end],
     }
 
 
@@ -153,11 +198,12 @@ def _create_jobs(
     bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline
 ) -> dict[str, float]:
     created: dict[str, float] = {}
+    metastore = bed.redis.address if workload.operator == "colocate-steps" and bed.redis else ""
     tl.t0 = time.time()
     for i in range(jobs):
         name = job_name(i)
         try:
-            bed.api.create(workload.path(namespace), workload.manifest(namespace, name))
+            bed.api.create(workload.path(namespace), workload.manifest(namespace, name, metastore))
         except ApiError as e:
             tl.create_errors += 1
             say(f"create {name} failed: {e}")
@@ -199,6 +245,8 @@ def run(bed: Testbed, spec: RunSpec, logs: Path, kuberay: Path | None = None) ->
     bed.create_namespace(namespace)
     try:
         bed.wait_listable(workload.path(namespace))
+        if spec.operator == "colocate-steps":
+            bed.metastore_secret(namespace)
         operator = _operator(bed, spec, namespace, logs, kuberay)
         try:
             return _measure(bed, spec, workload, namespace, operator)
@@ -233,6 +281,7 @@ def _measure(
         time.sleep(spec.steady_seconds)
         tl.t2, u2, a2 = time.time(), usage(operator.pid), usage(apiserver)
         final = _final_state(bed, workload, namespace)
+        stepped = _step_phase(bed, spec, workload, namespace, list(created), operator.pid)
         hwm = peak_rss(operator.pid)
         sampler.sample()
     finally:
@@ -241,7 +290,7 @@ def _measure(
     operator.stop()
     time.sleep(1)
     log.refresh()
-    user = username(spec.operator)
+    user = username(workload.kind)
     startup = audit.count(log.window(user, tl.t0, tl.done), workload.plural)
     settle = audit.count(log.window(user, tl.done, tl.t1), workload.plural)
     steady = audit.count(log.window(user, tl.t1, tl.t2), workload.plural)
@@ -259,6 +308,14 @@ def _measure(
         say(
             f"  NOT COMPLETE after {tl.done - tl.t0:.0f} s: {len(gpu_running)}/{want} GPU pods Running, "
             f"{len(ready_at)}/{spec.jobs} jobs up"
+        )
+    if stepped:
+        counts = audit.count(log.window(user, stepped["window"][0], stepped["window"][1]), workload.plural)
+        steps_total = max(1, stepped["steps"] * len(created))
+        stepped.update(
+            requests=counts.as_dict(),
+            status_writes_per_job_per_step=counts.status_writes / steps_total,
+            requests_per_job_per_step=counts.total / steps_total,
         )
     latencies = _latencies(workload, created, pods, ready_at)
     raw = {"created": created, "ready": ready_at, "pods": [asdict(p) for p in pods], "t0": tl.t0}
@@ -316,7 +373,7 @@ def _measure(
         "operator_log": _log_errors(operator.log_path),
         "tracker_errors": tracker.errors,
         "status_changes_seen_per_job": sum(tracker.job_status_changes.values()) / jobs,
-        "step_events": "not measured: the operator has no step-event consumer yet",
+        "step_events": stepped or "not measured in this run (see the colocate-steps runs)",
         "windows": {"t0": tl.t0, "up": tl.done, "t1": tl.t1, "t2": tl.t2},
     }
     say(

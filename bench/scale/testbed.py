@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 
 from bench.scale.kubeapi import Api, ApiError
+from bench.scale.steps import LocalRedis
+from bench.scale.workloads import METASTORE_SECRET
 from colocate_devcluster import Cluster, ClusterSpec, manifests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +61,9 @@ class Testbed:
     cpu_nodes: int
     bin_dir: Path | None = None
     kuberay_crd_dir: Path | None = None
+    with_redis: bool = False  # for the step-event runs
     cluster: Cluster = field(init=False)
+    redis: LocalRedis | None = None
     api: Api = field(init=False)
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
@@ -90,13 +94,28 @@ class Testbed:
             self._seed_nodes()
             self._accounts()
             self._crds()
+            if self.with_redis:
+                self.redis = LocalRedis(self.workdir / "redis").start()
         except BaseException:
-            self.cluster.stop()
+            self.stop()
             raise
         return self
 
     def stop(self) -> None:
+        if self.redis is not None:
+            self.redis.stop()
         self.cluster.stop()
+
+    def metastore_secret(self, namespace: str) -> None:
+        """The Secret an External meta-store job names (METASTORE_SECRET, key "password")."""
+        assert self.redis is not None
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": METASTORE_SECRET},
+            "stringData": {"password": self.redis.password},
+        }
+        self.api.create(f"/api/v1/namespaces/{namespace}/secrets", body)
 
     # -- nodes -----------------------------------------------------------------------------------------------
     def _seed_nodes(self) -> None:

@@ -22,7 +22,8 @@ RAY_VERSION = "2.52.0"
 class Workload:
     """How one operator's jobs are named, created and recognised."""
 
-    operator: str  # "colocate" | "kuberay"
+    operator: str  # "colocate" | "colocate-steps" | "kuberay"
+    kind: str  # "colocate" | "kuberay": which custom resource
     api_version: str
     plural: str
     pod_job_label: str  # the pod label whose value is the job's name
@@ -31,29 +32,35 @@ class Workload:
         base = f"/apis/{self.api_version}/namespaces/{namespace}/{self.plural}"
         return f"{base}/{name}" if name else base
 
-    def manifest(self, namespace: str, name: str) -> dict[str, Any]:
-        if self.operator == "colocate":
-            return colocate_job(namespace, name)
+    def manifest(self, namespace: str, name: str, metastore_address: str = "") -> dict[str, Any]:
+        if self.kind == "colocate":
+            return colocate_job(namespace, name, metastore_address)
         return ray_cluster(namespace, name)
 
     def is_gpu_pod(self, pod: dict[str, Any]) -> bool:
         """The pods that count for "all pods Running": the four GPU pods of each job."""
         labels = pod["metadata"].get("labels") or {}
-        if self.operator == "colocate":
+        if self.kind == "colocate":
             return labels.get("colocate.dev/component") == "worker"
         return self.pod_job_label in labels
 
     def job_ready(self, body: dict[str, Any]) -> bool:
         """The operator's own verdict that the job is up: phase Running / state ready."""
         status = body.get("status") or {}
-        if self.operator == "colocate":
+        if self.kind == "colocate":
             return status.get("phase") == "Running"
         return status.get("state") == "ready"
 
 
-COLOCATE = Workload("colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job")
-KUBERAY = Workload("kuberay", "ray.io/v1", "rayclusters", "ray.io/cluster")
-WORKLOADS = {w.operator: w for w in (COLOCATE, KUBERAY)}
+COLOCATE = Workload("colocate", "colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job")
+# Our operator with the step-event daemon, jobs using an External meta-store (a Redis on this machine that
+# the operator can reach; a Managed one would run in a kwok pod, where nothing runs).
+COLOCATE_STEPS = Workload(
+    "colocate-steps", "colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job"
+)
+KUBERAY = Workload("kuberay", "kuberay", "ray.io/v1", "rayclusters", "ray.io/cluster")
+WORKLOADS = {w.operator: w for w in (COLOCATE, COLOCATE_STEPS, KUBERAY)}
+METASTORE_SECRET = "bench-redis"  # holds key "password" of the External meta-store
 
 # Split across the two containers of a ColocateJob pod, whole in a Ray pod.
 HALF = {"cpu": "8", "memory": "64Gi"}
@@ -64,9 +71,10 @@ def job_name(index: int) -> str:
     return f"job-{index:04d}"
 
 
-def colocate_job(namespace: str, name: str) -> dict[str, Any]:
+def colocate_job(namespace: str, name: str, metastore_address: str = "") -> dict[str, Any]:
+    """Managed meta-store (the default: a Redis Deployment per job), or External at `metastore_address`."""
     container = {"resources": {"requests": dict(HALF), "limits": {"memory": HALF["memory"]}}}
-    return {
+    body: dict[str, Any] = {
         "apiVersion": COLOCATE.api_version,
         "kind": "ColocateJob",
         "metadata": {"name": name, "namespace": namespace},
@@ -79,6 +87,12 @@ def colocate_job(namespace: str, name: str) -> dict[str, Any]:
             "rollout": {"image": "example.com/sglang:bench", **container},
         },
     }
+    if metastore_address:
+        body["spec"]["metaStore"] = {
+            "mode": "External",
+            "external": {"address": metastore_address, "passwordSecretRef": {"name": METASTORE_SECRET}},
+        }
+    return body
 
 
 def _ray_pod_template(container_name: str) -> dict[str, Any]:

@@ -10,7 +10,9 @@ import pytest
 
 from bench.scale import audit, report
 from bench.scale.run import RunSpec, percentile, run
+from bench.scale.steps import Emitter, LocalRedis
 from bench.scale.testbed import Testbed, username
+from colocate_runtime.colocated.events import decode_entries, stream_key
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +76,20 @@ def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> Non
     assert log.window("someone-else", start, start + 100) == []
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([], 99) is None
+
+
+def test_emitted_steps_are_step_events_that_complete_a_step(tmp_path: Path) -> None:
+    """The emitter's records (made by a Lua script inside Redis) decode with the runtime's own decoder."""
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8)
+        client = server.client()
+        emitter.emit_round(client)
+        emitter.emit_round(client)
+        events = [e for _, e in decode_entries(client.xrange(stream_key("ns", "b")))]
+    finally:
+        server.stop()
+    assert len(events) == 64
+    assert {(e.role, e.phase, e.result) for e in events} == {("trainer", "finished", "ok")}
+    assert len({e.gpu for e in events if e.step == 2}) == 32
+    assert {e.weight_version for e in events} == {"1", "2"}
