@@ -35,13 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1000, help="fake GPU nodes of 8 GPUs (default 1000)")
     parser.add_argument(
         "--operators",
-        default="colocate,kuberay,colocate-steps",
-        help="comma-separated: colocate (ours, defaults), kuberay, colocate-steps (ours with the step-event "
-        "daemon and an External meta-store, plus the step-event window)",
+        default="colocate,kuberay",
+        help="comma-separated: colocate (ours: External meta-store, step-event daemon, step window), "
+        "kuberay, colocate-managed (ours with the default Managed meta-store, no step window)",
     )
     parser.add_argument("--settle", type=float, default=30.0, help="seconds after all jobs are up")
     parser.add_argument("--steady", type=float, default=60.0, help="idle window measured afterwards (s)")
-    parser.add_argument("--steps", type=float, default=60.0, help="step-event window of colocate-steps (s)")
+    parser.add_argument("--steps", type=float, default=60.0, help="step-event window of colocate (s)")
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "scale" / "results")
     parser.add_argument("--plots", type=Path, default=None, help="write the PNG here (e.g. docs)")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     operators = [o.strip() for o in args.operators.split(",") if o.strip()]
-    if unknown := set(operators) - {"colocate", "kuberay", "colocate-steps"}:
+    if unknown := set(operators) - {"colocate", "kuberay", "colocate-managed"}:
         raise SystemExit(f"unknown operators: {', '.join(sorted(unknown))}")
     if max(sizes) * PODS_PER_JOB > args.nodes:
         raise SystemExit(
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         args.nodes,
         cpu_nodes_for(max(sizes)),
         kuberay_crd_dir=kuberay_crds,
-        with_redis="colocate-steps" in operators,
+        with_redis="colocate" in operators,
     )
     started = time.monotonic()
     bed.start()

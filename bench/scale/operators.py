@@ -95,7 +95,7 @@ def colocate_operator(
     """`python -m colocate_operator`; with_steps: through the launcher that adds the step-event daemon."""
     port = free_port()
     return OperatorProcess(
-        "colocate-steps" if with_steps else "colocate",
+        "colocate" if with_steps else "colocate-managed",
         [
             sys.executable,
             "-m",

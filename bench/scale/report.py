@@ -13,7 +13,7 @@ from typing import Any
 MiB = 2**20
 NAMES = {
     "colocate": "ColocateJob (ours)",
-    "colocate-steps": "ColocateJob (ours), External meta-store + step daemon",
+    "colocate-managed": "ColocateJob (ours), Managed meta-store",
     "kuberay": "KubeRay",
 }
 

@@ -46,7 +46,7 @@ class RunSpec:
     jobs: int
     settle_seconds: float = 30.0
     steady_seconds: float = 60.0
-    step_seconds: float = 60.0  # colocate-steps only: how long every job reports one step per second
+    step_seconds: float = 60.0  # colocate only: how long every job reports one step per second
 
     @property
     def timeout(self) -> float:
@@ -69,8 +69,8 @@ def _operator(
     bed: Testbed, spec: RunSpec, namespace: str, logs: Path, kuberay: Path | None
 ) -> OperatorProcess:
     log = logs / f"{spec.operator}-{spec.jobs}.log"
-    if spec.operator in ("colocate", "colocate-steps"):
-        with_steps = spec.operator == "colocate-steps"
+    if spec.operator in ("colocate", "colocate-managed"):
+        with_steps = spec.operator == "colocate"
         return colocate_operator(namespace, bed.kubeconfigs["colocate"], log, with_steps=with_steps)
     assert kuberay is not None, "the KubeRay operator binary is needed"
     return kuberay_operator(kuberay, namespace, bed.kubeconfigs["kuberay"], log)
@@ -132,9 +132,9 @@ def _final_state(bed: Testbed, workload: Workload, namespace: str) -> dict[str, 
 def _step_phase(
     bed: Testbed, spec: RunSpec, workload: Workload, namespace: str, jobs: list[str], pid: int
 ) -> dict[str, Any] | None:
-    """colocate-steps only: every job reports one step per second for spec.step_seconds; then wait (at
+    """colocate only: every job reports one step per second for spec.step_seconds; then wait (at
     most 120 s) until every job's status shows the last step. The audit window is counted afterwards."""
-    if spec.operator != "colocate-steps" or not spec.step_seconds or bed.redis is None:
+    if spec.operator != "colocate" or not spec.step_seconds or bed.redis is None:
         return None
     say(f"  step events: {len(jobs)} jobs x 1 step/s for {spec.step_seconds:.0f} s")
     cpu0, start = usage(pid).cpu_seconds, time.time()
@@ -198,7 +198,7 @@ def _create_jobs(
     bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline
 ) -> dict[str, float]:
     created: dict[str, float] = {}
-    metastore = bed.redis.address if workload.operator == "colocate-steps" and bed.redis else ""
+    metastore = bed.redis.address if workload.operator == "colocate" and bed.redis else ""
     tl.t0 = time.time()
     for i in range(jobs):
         name = job_name(i)
@@ -245,7 +245,7 @@ def run(bed: Testbed, spec: RunSpec, logs: Path, kuberay: Path | None = None) ->
     bed.create_namespace(namespace)
     try:
         bed.wait_listable(workload.path(namespace))
-        if spec.operator == "colocate-steps":
+        if spec.operator == "colocate":
             bed.metastore_secret(namespace)
         operator = _operator(bed, spec, namespace, logs, kuberay)
         try:
@@ -373,7 +373,7 @@ def _measure(
         "operator_log": _log_errors(operator.log_path),
         "tracker_errors": tracker.errors,
         "status_changes_seen_per_job": sum(tracker.job_status_changes.values()) / jobs,
-        "step_events": stepped or "not measured in this run (see the colocate-steps runs)",
+        "step_events": stepped or "not measured in this run",
         "windows": {"t0": tl.t0, "up": tl.done, "t1": tl.t1, "t2": tl.t2},
     }
     say(

@@ -22,7 +22,7 @@ RAY_VERSION = "2.52.0"
 class Workload:
     """How one operator's jobs are named, created and recognised."""
 
-    operator: str  # "colocate" | "colocate-steps" | "kuberay"
+    operator: str  # "colocate" | "colocate-managed" | "kuberay"
     kind: str  # "colocate" | "kuberay": which custom resource
     api_version: str
     plural: str
@@ -52,14 +52,16 @@ class Workload:
         return status.get("state") == "ready"
 
 
+# Ours as the benchmark runs it: jobs with an External meta-store (a Redis on this machine that the operator,
+# running outside the cluster, can reach; a Managed one would be a kwok pod where nothing runs), and the
+# operator's step-event daemon following it.
 COLOCATE = Workload("colocate", "colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job")
-# Our operator with the step-event daemon, jobs using an External meta-store (a Redis on this machine that
-# the operator can reach; a Managed one would run in a kwok pod, where nothing runs).
-COLOCATE_STEPS = Workload(
-    "colocate-steps", "colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job"
+# Ours with the default Managed meta-store: a Redis Deployment, Service, Secret and NetworkPolicy per job.
+COLOCATE_MANAGED = Workload(
+    "colocate-managed", "colocate", "colocate.dev/v1alpha1", "colocatejobs", "colocate.dev/job"
 )
 KUBERAY = Workload("kuberay", "kuberay", "ray.io/v1", "rayclusters", "ray.io/cluster")
-WORKLOADS = {w.operator: w for w in (COLOCATE, COLOCATE_STEPS, KUBERAY)}
+WORKLOADS = {w.operator: w for w in (COLOCATE, COLOCATE_MANAGED, KUBERAY)}
 METASTORE_SECRET = "bench-redis"  # holds key "password" of the External meta-store
 
 # Split across the two containers of a ColocateJob pod, whole in a Ray pod.

@@ -1,5 +1,5 @@
 """The scale benchmark's harness end to end at a tiny size: its own control plane (with the audit log the
-request counts come from), 8 fake GPU nodes, 2 ColocateJobs of 4 pods, our operator only."""
+request counts come from), 8 fake GPU nodes, 2 ColocateJobs of 4 pods reporting steps, our operator only."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(120)
 def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
-    bed = Testbed(tmp_path / "bed", gpu_nodes=8, cpu_nodes=1).start()
+    bed = Testbed(tmp_path / "bed", gpu_nodes=8, cpu_nodes=1, with_redis=True).start()
     try:
-        result = run(bed, RunSpec("colocate", 2, settle_seconds=1, steady_seconds=1), tmp_path / "logs")
+        spec = RunSpec("colocate", 2, settle_seconds=1, steady_seconds=1, step_seconds=3)
+        result = run(bed, spec, tmp_path / "logs")
     finally:
         bed.stop()
     assert result["complete"], result
@@ -35,6 +36,10 @@ def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
     assert result["requests"]["status_writes_startup_per_job"] >= 1
     assert result["operator_rss_bytes"]["peak_vmhwm"] > 10 * 2**20
     assert result["operator_cpu_seconds"]["startup"] > 0
+    # The operator's step daemon followed the jobs' streams: every step reached status, one write at most.
+    steps = result["step_events"]
+    assert steps["steps"] >= 2 and steps["jobs_behind_after_catch_up"] == 0
+    assert 0 < steps["status_writes_per_job_per_step"] <= 1
     tables = report.render([result])
     assert "| 2 | ColocateJob (ours) |" in tables
 
