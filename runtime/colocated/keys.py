@@ -1,13 +1,15 @@
 """The meta-store's key schema (pure: strings only).
 
 Every key of one job starts with `colocate:{namespace}:{job}` (`{p}` below). Keys of one trainer incarnation
-carry its generation `g{gen}`, so a restarted trainer never reads its predecessor's keys; per-step keys carry
+carry its generation `g{gen}`, so a restarted trainer never reads its predecessor's keys. Generations count
+per GPU (every trainer process of a job starts its own, and a job-wide counter would let one GPU's trainer
+hide another's keys from its reader); per-step keys carry
 `s{step}`, per-GPU keys the GPU's UUID (never a device index: the two containers may enumerate GPUs
 differently).
 
 | key | type | written by | content |
 |---|---|---|---|
-| `{p}:gen` | counter | trainer (`INCR` at start) | current incarnation |
+| `{p}:gen:{uuid}` | counter | trainer (`INCR` at start) | current incarnation on that GPU |
 | `{p}:events` | stream | both sides | step events for the operator (events.py) |
 | `{p}:hb:{role}:{uuid}` | string, TTL | each process (`trainer`, `reader`) | JSON: pid, host, state |
 | `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
@@ -35,8 +37,8 @@ class KeySchema:
     def prefix(self) -> str:
         return f"colocate:{self.namespace}:{self.job}"
 
-    def gen(self) -> str:
-        return f"{self.prefix}:gen"
+    def gen(self, uuid: str) -> str:
+        return f"{self.prefix}:gen:{uuid}"
 
     def events(self) -> str:
         return f"{self.prefix}:events"

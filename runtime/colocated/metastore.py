@@ -135,19 +135,19 @@ class MetaStore:
     # --- incarnation --------------------------------------------------------------------------------------
 
     @_translated
-    def start_incarnation(self) -> int:
-        """A new trainer generation; keys of older generations are ignored from now on."""
-        return int(self.client.incr(self.keys.gen()))
+    def start_incarnation(self, uuid: str) -> int:
+        """A new trainer generation on GPU `uuid`; keys of its older generations are ignored from now on."""
+        return int(self.client.incr(self.keys.gen(uuid)))
 
     @_translated
-    def current_gen(self) -> int | None:
-        raw = self.client.get(self.keys.gen())
+    def current_gen(self, uuid: str) -> int | None:
+        raw = self.client.get(self.keys.gen(uuid))
         return None if raw is None else int(raw)
 
     @_translated
-    def restore_gen(self, gen: int) -> None:
+    def restore_gen(self, uuid: str, gen: int) -> None:
         """After a Redis restart the counter is gone; put ours back unless a newer trainer set one."""
-        self.client.set(self.keys.gen(), gen, nx=True)
+        self.client.set(self.keys.gen(uuid), gen, nx=True)
 
     # --- heartbeats ---------------------------------------------------------------------------------------
 

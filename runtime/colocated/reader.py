@@ -96,6 +96,15 @@ class ExchangeRequest:
 
 
 class Exchange(Protocol):
+    """Fills what the local copy could not. When set, the reader calls it on every step it applies, even with
+    nothing missing: a collective exchange needs every GPU, including those that only send.
+
+    A collective exchange may also define `abandon(error)`: the reader calls it when a step fails on this GPU
+    before the exchange was called (no step published in time, a bad manifest, an abort), so peers already
+    waiting in the exchange fail at once instead of at their timeout. So every `apply_next` (or `apply`)
+    takes part in the exchange exactly once: by calling it, or by abandoning.
+    """
+
     def __call__(self, request: ExchangeRequest) -> set[str]: ...
 
 
@@ -151,6 +160,7 @@ class WeightReader:
         self._watch: tuple[int | None, PeerWatch] | None = None
         self._lost_gen: int | None = None
         self._programs: dict[tuple, _CopyProgram] = {}
+        self._exchange_called: bool | None = None  # None outside a step; else whether this step called it
         for name, shard in self.target_shards.items():
             t = self.targets.get(name)
             if t is None or tuple(t.shape) != shard.box.lengths:
@@ -175,6 +185,10 @@ class WeightReader:
 
     def apply_next(self, timeout_s: float | None = None) -> StepReport:
         """Wait for the next published step on this GPU (of the trainer's current incarnation), apply it."""
+        with self._exchange_round():
+            return self._apply_next(timeout_s)
+
+    def _apply_next(self, timeout_s: float | None) -> StepReport:
         deadline = Deadline(self.settings.step_timeout_s if timeout_s is None else timeout_s)
         trainer: PeerWatch | None = None
         unreachable: str | None = None
@@ -218,7 +232,7 @@ class WeightReader:
         return self._watch[1]
 
     def _follow_gen(self) -> int | None:
-        current = self.store.current_gen()
+        current = self.store.current_gen(self.uuid)
         if current is not None and (self.gen is None or current > self.gen):
             if self.gen is not None:
                 log.info(
@@ -266,6 +280,10 @@ class WeightReader:
 
     def apply(self, manifest: Manifest, *, fetch_s: float = 0.0) -> StepReport:
         """Open, copy, close, verify, ACK. The caller must have claimed the step."""
+        with self._exchange_round():
+            return self._apply(manifest, fetch_s)
+
+    def _apply(self, manifest: Manifest, fetch_s: float) -> StepReport:
         gen, step = manifest.gen, manifest.step
         self._state = "applying"
         seconds: dict[str, float] = {"fetch": fetch_s} if fetch_s else {}
@@ -367,7 +385,7 @@ class WeightReader:
                 f"step {manifest.step}: {len(extra)} entries have no parameter here: {sorted(extra)[:8]}",
                 step=manifest.step,
             )
-        if missing and self.exchange is not None:
+        if self.exchange is not None:
             local = {e.name: entry_view(scope.bucket(e.bucket), e) for e in manifest.entries}
             request = ExchangeRequest(
                 manifest=manifest,
@@ -377,6 +395,7 @@ class WeightReader:
                 missing_boxes={n: self._missing_boxes(n, manifest) for n in missing},
                 target_shards=self.target_shards,
             )
+            self._exchange_called = True
             filled = self.exchange(request)
             del request, local
             missing = {n: t for n, t in missing.items() if n not in filled}
@@ -505,6 +524,27 @@ class WeightReader:
             if checksum.tensor_checksum(target) != expected:
                 wrong.append(name)
         return wrong
+
+    @contextlib.contextmanager
+    def _exchange_round(self) -> Iterator[None]:
+        """One step's part in the exchange: if it fails before calling the exchange, abandon it (see
+        `Exchange`). Re-entrant: `apply` inside `apply_next` is the same round."""
+        if self.exchange is None or self._exchange_called is not None:
+            yield
+            return
+        self._exchange_called = False
+        try:
+            yield
+        except Exception as err:
+            abandon = getattr(self.exchange, "abandon", None)
+            if not self._exchange_called and abandon is not None:
+                try:
+                    abandon(err)
+                except Exception as abandon_err:  # the step's own error is the one to raise
+                    log.error("exchange not told that this step failed: %s", abandon_err)
+            raise
+        finally:
+            self._exchange_called = None
 
     # --- answers ------------------------------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ class WeightWriter:
 
     def start(self) -> int:
         """Begin a trainer incarnation (a new `gen`) and start heartbeating. Returns the generation."""
-        self.gen = self.store.start_incarnation()
+        self.gen = self.store.start_incarnation(self.uuid)
         self._run_id = self.store.server_run_id()
         gen = self.gen
         self._heartbeat = Heartbeat(
@@ -127,7 +127,7 @@ class WeightWriter:
                 "state": self._state,
                 "rank": self.settings.rank,
             },
-            on_beat=lambda: self.store.restore_gen(gen),
+            on_beat=lambda: self.store.restore_gen(self.uuid, gen),
         ).start()
         log.info("colocated writer on %s started generation %d", self.uuid, gen)
         return gen
@@ -398,7 +398,7 @@ class WeightWriter:
     def _check_restart(self, pending: PendingStep) -> None:
         """Redis restarted: our gen goes back; if the step's manifest is gone, nobody can finish the step."""
         self._run_id = self.store.server_run_id()
-        self.store.restore_gen(pending.gen)
+        self.store.restore_gen(self.uuid, pending.gen)
         if not self.store.manifest_exists(pending.gen, pending.step, self.uuid):
             self._park(pending)
             raise self._failed(

@@ -52,7 +52,7 @@ def test_manifest_publish_is_nx_idempotent_and_notifies_once(
     store: MetaStore,
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     assert store.publish_manifest(gen, 1, UUID, b"m1") is True
     assert store.publish_manifest(gen, 1, UUID, b"m1") is False  # a retry of the same write
     with pytest.raises(MetaStoreConflict):
@@ -67,7 +67,7 @@ def test_manifest_publish_is_nx_idempotent_and_notifies_once(
 
 
 def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     store.publish_manifest(gen, 1, UUID, b"m")
     store.publish_manifest(gen, 2, UUID, b"m")
     store.claim(gen, 1, UUID, CLAIM_READER)
@@ -78,12 +78,12 @@ def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -
     client = redis_server.client()
     keys = [k.decode() for k in client.keys(f"{KEYS.prefix}:*")]
     assert keys
-    no_ttl = [k for k in keys if client.pttl(k) < 0 and k != KEYS.gen()]
+    no_ttl = [k for k in keys if client.pttl(k) < 0 and k != KEYS.gen(UUID)]
     assert no_ttl == []  # only the incarnation counter lives as long as the job's Redis
 
 
 def test_claim_first_wins(store: MetaStore) -> None:
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     assert store.claim(gen, 5, UUID, CLAIM_READER) == CLAIM_READER
     assert store.claim(gen, 5, UUID, CLAIM_REVOKED) == CLAIM_READER
     assert store.claim(gen, 6, UUID, CLAIM_REVOKED) == CLAIM_REVOKED
@@ -91,7 +91,7 @@ def test_claim_first_wins(store: MetaStore) -> None:
 
 
 def test_ack_wakes_the_waiter_and_states_ipc_closed(store: MetaStore) -> None:
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     assert store.wait_ack(gen, 1, UUID, 0.05) is None
     ack = Ack(status="ok", ipc_closed=True, bytes_copied=10, seconds={"copy": 0.1})
     assert store.write_ack(gen, 1, UUID, ack) is True
@@ -103,7 +103,7 @@ def test_ack_wakes_the_waiter_and_states_ipc_closed(store: MetaStore) -> None:
 
 
 def test_abort_keys_step_and_incarnation(store: MetaStore) -> None:
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     assert store.abort_reason(gen, 3) is None
     store.abort(gen, 3, "operator asked", "operator")
     store.abort(gen, 3, "second reason", "someone")
@@ -114,12 +114,23 @@ def test_abort_keys_step_and_incarnation(store: MetaStore) -> None:
 
 
 def test_incarnations_separate_keys(store: MetaStore) -> None:
-    g1 = store.start_incarnation()
+    g1 = store.start_incarnation(UUID)
     store.publish_manifest(g1, 1, UUID, b"old")
-    g2 = store.start_incarnation()
-    assert g2 > g1 and store.current_gen() == g2
+    g2 = store.start_incarnation(UUID)
+    assert g2 > g1 and store.current_gen(UUID) == g2
     assert store.pop_ready(g2, UUID, 0.05) is None  # the old incarnation's notification is not seen
     assert store.read_manifest(g2, 1, UUID) is None
+
+
+def test_incarnations_count_per_gpu(store: MetaStore) -> None:
+    """Two trainer processes of one job: each GPU keeps its own generation (a job-wide counter let one
+    trainer's start hide the other's keys from its reader)."""
+    other = "GPU-other"
+    mine = store.start_incarnation(UUID)
+    theirs = store.start_incarnation(other)
+    assert store.current_gen(UUID) == mine and store.current_gen(other) == theirs
+    store.restore_gen(UUID, mine + 5)  # NX: an existing counter is never overwritten
+    assert store.current_gen(UUID) == mine
 
 
 def test_heartbeat_expires_and_watch_declares_death(store: MetaStore) -> None:
@@ -145,7 +156,7 @@ def test_heartbeat_expires_and_watch_declares_death(store: MetaStore) -> None:
 
 
 def test_redis_restart_is_detected_and_gen_restored(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
-    gen = store.start_incarnation()
+    gen = store.start_incarnation(UUID)
     run_id = store.server_run_id()
     redis_server.restart()
     for _ in range(3):  # the client reconnects (the first call may see the dropped connection)
@@ -155,9 +166,9 @@ def test_redis_restart_is_detected_and_gen_restored(store: MetaStore, redis_serv
         except MetaStoreUnavailable:
             time.sleep(0.1)
     assert store.server_run_id() != run_id
-    assert store.current_gen() is None
-    store.restore_gen(gen)
-    assert store.current_gen() == gen
+    assert store.current_gen(UUID) is None
+    store.restore_gen(UUID, gen)
+    assert store.current_gen(UUID) == gen
 
 
 def test_step_events_round_trip_through_the_stream(store: MetaStore) -> None:
