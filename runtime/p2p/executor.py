@@ -110,9 +110,13 @@ class P2PExchange:
             SOURCE: _local_shards(senders, self.rank),
             TARGET: _local_shards(receivers, self.rank),
         }
+        self._remote = {
+            SOURCE: _names(self._work, sending=True),
+            TARGET: _names(self._work, sending=False),
+        }
         self._needed = {
-            SOURCE: {t.name for t in schedule.local} | _names(self._work, sending=True),
-            TARGET: {t.name for t in schedule.local} | _names(self._work, sending=False),
+            SOURCE: {t.name for t in schedule.local} | self._remote[SOURCE],
+            TARGET: {t.name for t in schedule.local} | self._remote[TARGET],
         }
         self._bytes_sent = _payload(schedule, sending=True)
         self._bytes_received = _payload(schedule, sending=False)
@@ -180,33 +184,44 @@ class P2PExchange:
         exchange._connect()
         return exchange
 
-    def run(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> RunReport:
+    def run(
+        self,
+        sources: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        *,
+        local: bool = True,
+    ) -> RunReport:
         """Collective: move this rank's `sources` (its sender shards, by name) into every receiver's `targets`
         (its receiver shards, by name). Tensors must have their shard's shape, dtype and this exchange's
-        device; they may be non-contiguous views. Returns after the data is in place."""
+        device; they may be non-contiguous views. Returns after the data is in place.
+
+        `local=False` skips the plan's local transfers (sender and receiver both this rank), for a caller that
+        has already copied those elements itself (the colocated reader); tensors only they need may then be
+        left out."""
         start = time.perf_counter()
+        needed = self._needed if local else self._remote
         with torch.no_grad():
             error: Exception | None = None
-            local: LocalTensors | None = None
+            bound: LocalTensors | None = None
             try:
-                local = LocalTensors(
-                    self.rank, self.device, self._shards, {SOURCE: sources, TARGET: targets}, self._needed
+                bound = LocalTensors(
+                    self.rank, self.device, self._shards, {SOURCE: sources, TARGET: targets}, needed
                 )
             except ShardError as exc:
                 error = exc
             n_chunks = self._preflight(failed=error is not None, n_chunks=len(self._work))
             if error is not None:
                 raise error
-            assert local is not None
+            assert bound is not None
             work = list(self._work) + [() for _ in range(len(self._work), n_chunks)]
-            for t in self.schedule.local:
+            for t in self.schedule.local if local else ():
                 box_view(targets[t.name], t.dst_box).copy_(box_view(sources[t.name], t.src_box))
             depth = self.config.pipeline_depth
-            staged = [_staging(chunk, local) for chunk in work]
+            staged = [_staging(chunk, bound) for chunk in work]
             arena = Arena([max(staged[s::depth], default=0) for s in range(depth)], self.device)
             trace: list[TraceEvent] = []
             try:
-                self._exchange(work, local, arena, trace, start)
+                self._exchange(work, bound, arena, trace, start)
             finally:
                 arena.release()
             if self.device.type == "cuda":
@@ -217,7 +232,7 @@ class P2PExchange:
             batches=sum(len(chunk) for chunk in work),
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
-            bytes_local=self._bytes_local,
+            bytes_local=self._bytes_local if local else 0,
             staging_bytes=arena.nbytes,
             seconds=time.perf_counter() - start,
             trace=tuple(trace),

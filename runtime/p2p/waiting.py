@@ -21,6 +21,8 @@ log = logging.getLogger("colocate_runtime.p2p")
 # Yield for a while first (sleep granularity on VMs can exceed a chunk's time on the wire), then sleep.
 _POLL_SPINS = 20_000
 _POLL_SLEEP_S = 1e-3
+# gloo truncates a wait's timeout to whole milliseconds, so its timeout can fire just before our deadline.
+_CLOCK_SLACK_S = 0.01
 GONE = "a rank is dead, stuck or on a different schedule; the process group is no longer usable"
 
 
@@ -50,7 +52,7 @@ class Deadlines:
             try:
                 w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline - _CLOCK_SLACK_S:
                     return False
                 raise
         return True
