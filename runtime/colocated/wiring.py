@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,17 @@ from colocate_runtime.colocated.reader import Exchange, ReaderSettings, WeightRe
 from colocate_runtime.colocated.transport import BucketExporter, BucketImporter
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
 from colocate_runtime.shards import TensorShard
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from colocate_runtime.colocated.exchange import ReshardExchange
+    from colocate_runtime.p2p.config import ExecutorConfig
+    from colocate_runtime.p2p.layout import Layout
+
+# How much longer than a reader's step timeout a rank waits for its peers in the exchange: a peer may reach
+# the step (or give up on it) up to one step timeout after this rank.
+AGREE_MARGIN_S = 10.0
 
 
 def connect(cfg: ColocateConfig) -> MetaStore:
@@ -94,3 +106,27 @@ def new_reader(
         target_shards=target_shards,
         exchange=exchange,
     ).start()
+
+
+def reshard_exchange(
+    cfg: ColocateConfig,
+    trainer: Layout,
+    inference: Layout,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    config: ExecutorConfig | None = None,
+) -> ReshardExchange:
+    """Collective over `group` (the inference engine's ranks, one per GPU): the cross-GPU exchange for a
+    reader whose targets (`inference`) differ from the trainer shards published on its GPU (`trainer`).
+    Pass it to `new_reader(..., rank=ex.rank, target_shards=ex.target_shards(), exchange=ex)`."""
+    from colocate_runtime.colocated.exchange import ReshardExchange
+
+    return ReshardExchange.create(
+        trainer,
+        inference,
+        group=group,
+        device=device,
+        config=config,
+        agree_timeout_s=cfg.step_timeout_s + AGREE_MARGIN_S,
+    )

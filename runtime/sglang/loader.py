@@ -7,6 +7,27 @@ runs it between batches, so no forward pass sees half-updated weights). The requ
 here (an empty list per rank): the loader reads the trainer's next published step for this GPU from the
 meta-store and applies it in place. The configuration comes from the COLOCATE_* environment of the SGLang
 container, read once per process.
+
+When SGLang shards the model differently from the trainer, each TP worker also needs slices published on
+other GPUs: `set_exchange_resolver` gives the loader a `ReshardExchange` (colocated/exchange.py) over the TP
+group. Every TP worker sets both resolvers before the first update, e.g. at import of the module that
+`--custom-weight-loader` names (SGLang imports it in each worker):
+
+    tp = sglang.srt.distributed.get_tp_group()   # one rank per GPU, NCCL
+    plan = inference_plan(spec, sglang_layout, tp.rank_in_group)
+    set_target_resolver(lambda model: {s.name: v for s, v in plan.read(dict(model.named_parameters()))})
+    ranks = range(tp.world_size)
+    held = (trainer_plan(spec, megatron, trainer_rank_on_gpu(r)).rank_shards(r) for r in ranks)
+    trainer = Layout.from_ranks(held)  # under r: the Megatron rank whose shard is published on r's GPU
+    inference = Layout.from_ranks(inference_plan(spec, sglang_layout, r).rank_shards(r) for r in ranks)
+    device = torch.device("cuda", torch.cuda.current_device())
+    set_exchange_resolver(
+        lambda model, cfg: reshard_exchange(cfg, trainer, inference, group=tp.device_group, device=device)
+    )
+
+Rank r of both layouts is the TP worker of group rank r: the trainer layout names, under r, the trainer shard
+published on that worker's GPU. The resolver runs on the first update, on every worker at once (creating the
+exchange is collective). Each update is then one collective step: SGLang runs the loader on every TP worker.
 """
 
 from __future__ import annotations
@@ -14,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,13 +43,18 @@ from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.reader import WeightReader
 from colocate_runtime.colocated.wiring import new_reader
 
+if TYPE_CHECKING:
+    from colocate_runtime.colocated.exchange import ReshardExchange
+
 LOADER_PATH = "colocate_runtime.sglang.loader.load_colocated_step"
 TargetResolver = Callable[[torch.nn.Module], Mapping[str, torch.Tensor]]
+ExchangeResolver = Callable[[torch.nn.Module, ColocateConfig], "ReshardExchange | None"]
 
 _lock = threading.Lock()
 _readers: dict[int, WeightReader] = {}
 _config: ColocateConfig | None = None
 _resolver: TargetResolver | None = None
+_exchange_resolver: ExchangeResolver | None = None
 
 
 def named_parameters(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
@@ -40,6 +66,13 @@ def set_target_resolver(resolver: TargetResolver) -> None:
     """Where SGLang's fused layout differs from the canonical names, runtime/convert supplies the views."""
     global _resolver
     _resolver = resolver
+
+
+def set_exchange_resolver(resolver: ExchangeResolver | None) -> None:
+    """Where SGLang's sharding differs from the trainer's: the cross-GPU exchange of this worker (see above).
+    Returning None keeps the local-only path."""
+    global _exchange_resolver
+    _exchange_resolver = resolver
 
 
 def _tp_rank() -> int:
@@ -57,7 +90,18 @@ def reader_for(model: torch.nn.Module) -> WeightReader:
                 _config = ColocateConfig.from_env(os.environ)
             targets = (_resolver or named_parameters)(model)
             device = torch.cuda.current_device() if _config.transport == "CudaIPC" else None
-            reader = new_reader(_config, targets, rank=_tp_rank(), device=device)
+            exchange = _exchange_resolver(model, _config) if _exchange_resolver is not None else None
+            if exchange is None:
+                reader = new_reader(_config, targets, rank=_tp_rank(), device=device)
+            else:
+                reader = new_reader(
+                    _config,
+                    targets,
+                    rank=exchange.rank,
+                    device=device,
+                    target_shards=exchange.target_shards(),
+                    exchange=exchange,
+                )
             _readers[id(model)] = reader
         return reader
 
