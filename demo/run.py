@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / ".devcluster-demo")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
     args = parser.parse_args()
+    # Ctrl-C or a kill still tears everything down (the ExitStack below runs on SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     shutil.rmtree(args.workdir, ignore_errors=True)
     logs = args.workdir / "logs"
@@ -203,7 +206,7 @@ def main() -> int:
                 "DEMO_STEPS": str(args.steps),
             }
             base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
-            rollout_env = {**base, **container_env(cluster, pod, "sglang"), **overrides}
+            rollout_env = {**base, **container_env(cluster, pod, "rollout"), **overrides}
             trainer_env = {**base, **container_env(cluster, pod, "trainer"), **overrides}
             spawn(
                 stack,
@@ -231,6 +234,19 @@ def main() -> int:
                 )
             )
         _follow_steps(cluster, trainers, args.steps)
+        # No kubelet: report the containers' exit as one would, so the operator can see the pods finish.
+        for pod in pods:
+            cluster.kubectl(
+                "patch",
+                "pod",
+                pod["metadata"]["name"],
+                "-n",
+                "demo",
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": {"phase": "Succeeded"}}),
+            )
         status = wait(
             lambda: (s := job_status(cluster)).get("phase") in ("Succeeded", "Failed") and s,
             60,
@@ -273,19 +289,18 @@ def _follow_steps(cluster: Cluster, trainers: list[tuple[str, subprocess.Popen]]
         step = job_status(cluster).get("weightSync", {}).get("lastCompletedStep")
         if step != shown:
             shown = step
-            print(
-                cluster.kubectl(
-                    "get", "colocatejobs", "-n", "demo", "--no-headers" if step else "--show-kind=false"
-                ).stdout,
-                end="",
-                flush=True,
-            )
-        if all(p.poll() is not None for _, p in trainers) and shown == steps:
+            args = ["get", "colocatejobs", "-n", "demo"] + (["--no-headers"] if step else [])
+            print(cluster.kubectl(*args).stdout, end="", flush=True)
+        if shown == steps:
             return
         if any(p.poll() not in (None, 0) for _, p in trainers):
             raise SystemExit("demo: a trainer failed; see its log under .devcluster-demo/logs")
+        if all(p.poll() is not None for _, p in trainers):
+            deadline = min(deadline, time.monotonic() + 30)  # trainers done: status must follow soon
         time.sleep(0.3)
-    raise SystemExit(f"demo: the job did not reach step {steps} in time")
+    raise SystemExit(
+        f"demo: the job's status did not reach step {steps} (last seen: {shown}); see the operator log"
+    )
 
 
 def _trainer_lines(log: Path) -> list[dict]:
@@ -300,7 +315,8 @@ def _summary(status: dict, results: dict[str, list[dict]]) -> None:
     recent = {r["step"]: r for r in status.get("recentSteps", [])}
     first = next(iter(results.values()), [])
     print(
-        f"{'step':>4}  {'loss':>7}  {'result':>9}  {'sync s (status)':>15}  {'bytes':>7}  rollout == trainer"
+        f"{'step':>4}  {'reward':>6}  {'loss':>7}  {'result':>9}  {'sync s (status)':>15}  {'bytes':>7}"
+        "  rollout == trainer"
     )
     for record in first:
         step = record.get("step")
@@ -312,9 +328,8 @@ def _summary(status: dict, results: dict[str, list[dict]]) -> None:
             for lines in results.values()
         )
         print(
-            f"{step:>4}  {record['loss']:>7.4f}  {s.get('result', '-'):>9}  {s.get('syncSeconds', 0):>15.4f}"
-            "  "
-            f"{s.get('bytes', 0):>7}  {'yes, every pod' if same else 'NO'}"
+            f"{step:>4}  {record['reward']:>6.3f}  {record['loss']:>7.4f}  {s.get('result', '-'):>9}  "
+            f"{s.get('syncSeconds', 0):>15.4f}  {s.get('bytes', 0):>7}  {'yes, every pod' if same else 'NO'}"
         )
     print(
         f"phase {status.get('phase')}; conditions: "

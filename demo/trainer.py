@@ -33,14 +33,31 @@ def forward(params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     return h @ params["lm_head"].t()
 
 
+def rollout_rewards(url: str, vocab: int, prompts: int = 8) -> float:
+    """Greedy continuations of random prompts; reward = share of tokens that continue the count."""
+    correct = total = 0
+    for start in torch.randint(0, vocab, (prompts,)).tolist():
+        prompt = [(start + i) % vocab for i in range(4)]
+        out = requests.post(
+            f"{url}/generate",
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}},
+            timeout=30,
+        ).json()["output_ids"]
+        expected = [(prompt[-1] + 1 + i) % vocab for i in range(len(out))]
+        correct += sum(a == b for a, b in zip(out, expected, strict=True))
+        total += len(out)
+    return correct / max(1, total)
+
+
 def main() -> int:
     torch.manual_seed(int(os.environ.get("COLOCATE_REPLICA_INDEX", "0")))
     torch.set_num_threads(1)
     cfg = ColocateConfig.from_env(os.environ)
     steps = int(os.environ.get("DEMO_STEPS", "5"))
+    pace = float(os.environ.get("DEMO_STEP_SECONDS", "1.0"))
     model = TinyLM(seed=0)  # the rollout engine starts from the same seed-0 weights
     master = {n: p.detach().float().clone().requires_grad_(True) for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(master.values(), lr=3e-2)
+    optimizer = torch.optim.AdamW(master.values(), lr=1e-2)
     vocab = model.embed_tokens.shape[0]
     data = torch.arange(256) % vocab  # learn to count: next token = token + 1
 
@@ -51,9 +68,12 @@ def main() -> int:
     ok = True
     try:
         for step in range(1, steps + 1):
+            step_started = time.perf_counter()
+            rewards = rollout_rewards(client.base_url, vocab)  # the RL rollout, served by the engine
+            time.sleep(max(0.0, pace - (time.perf_counter() - step_started)))  # a watchable pace
             rollout.before_training()  # SGLang pauses and hands its memory back
             t0 = time.perf_counter()
-            for _ in range(10):
+            for _ in range(5):
                 start = torch.randint(0, len(data) - 17, (8,))
                 batch = torch.stack([data[s : s + 17] for s in start])
                 loss = F.cross_entropy(
@@ -82,6 +102,7 @@ def main() -> int:
                 json.dumps(
                     {
                         "step": step,
+                        "reward": round(rewards, 3),
                         "loss": round(loss.item(), 4),
                         "train_s": round(train_s, 4),
                         "sync_s": round(sync_s, 4),

@@ -25,7 +25,7 @@ fi
 
 command -v go >/dev/null || { log "the Go toolchain is required (go >= 1.26): https://go.dev/doc/install"; exit 1; }
 kube_version=$(grep -oE 'k8s\.io/kubernetes v[0-9.]+' "$root/tools/k8s/go.mod" | head -1 | cut -d' ' -f2)
-key=$(cat "$root"/tools/*/go.mod "$root"/tools/*/go.sum | sha256sum | cut -c1-12)
+key=$(cat "$root"/tools/{k8s,etcd,kwok,helm}/go.{mod,sum} | sha256sum | cut -c1-12)
 out="${COLOCATE_CACHE_DIR:-$HOME/.cache/colocate-operator}/bin-$kube_version-$key"
 
 missing=()

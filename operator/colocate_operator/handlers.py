@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from colocate_operator import stepwatch
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     COMPONENT_METASTORE,
@@ -100,6 +101,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
     )
     def metastore_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
+
+    stepwatch.register(registry, config)
 
     @kopf.on.probe(id="reconciles", registry=registry)
     def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:

@@ -1,9 +1,10 @@
 """Weight-update steps -> status: folds a job's step events (runtime/colocated/events.py) into
 `status.weightSync` and the bounded `status.recentSteps` history. Pure: no I/O, the clock is passed in.
 
-A step is complete when every trainer GPU of the job reported `finished` with `result=ok` for it, in the
-newest trainer incarnation (`gen`): a restarted trainer's steps replace the old ones. Success of the whole
-job needs the trainer's `final` record, never exit codes alone.
+A step is complete when every trainer GPU of the job reported `finished` with `result=ok` for it. Each
+trainer process starts its own incarnation (`gen`), so incarnations are compared per GPU: events of an older
+incarnation on the same GPU are stale, and a newer one drops that GPU's half-finished steps. Success of the
+whole job needs the trainer's `final` record, never exit codes alone.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class StepRecord:
     sync_seconds: float
     bytes: int
     completion_time: float
+    weight_version: str = ""
     message: str = ""
 
     def to_status(self) -> dict[str, Any]:
         record: dict[str, Any] = {
             "step": self.step,
+            "weightVersion": self.weight_version,
             "result": self.result,
             "syncSeconds": round(self.sync_seconds, 6),
             "bytes": self.bytes,
@@ -63,7 +66,6 @@ class StepTracker:
 
     expected_gpus: int
     history_limit: int = 10
-    gen: int = -1
     last_completed_step: int | None = None
     weight_version: str = ""
     last_sync_seconds: float = 0.0
@@ -73,21 +75,27 @@ class StepTracker:
     final_result: str | None = None
     last_failure: StepRecord | None = None
     recent: list[StepRecord] = field(default_factory=list)
+    _gens: dict[str, int] = field(default_factory=dict)  # GPU -> newest trainer incarnation seen
     _pending: dict[int, dict[str, StepEvent]] = field(default_factory=dict)
     _failed_steps: set[int] = field(default_factory=set)
 
     def observe(self, event: StepEvent) -> bool:
-        if event.gen < self.gen:
+        gpu = event.gpu or f"rank-{event.rank}"
+        newest = self._gens.get(gpu, event.gen)
+        if event.gen < newest:
             return False  # a dead trainer incarnation's leftovers
-        if event.gen > self.gen:
-            self.gen = event.gen
-            self._pending.clear()
-            self._failed_steps.clear()
+        if event.gen > newest:  # that GPU's trainer restarted: its unfinished steps will not finish
+            for gpus in self._pending.values():
+                gpus.pop(gpu, None)
+        self._gens[gpu] = event.gen
         self.current_phase = PHASE_NAMES.get(event.phase, event.phase)
         if event.role != "trainer":
             return False
-        if event.phase == "final":
-            self.final_result = "Succeeded" if event.result == "ok" else "Failed"
+        if event.phase == "final":  # one trainer rank's failure fails the run; success needs no failure
+            if event.result != "ok":
+                self.final_result = "Failed"
+            elif self.final_result is None:
+                self.final_result = "Succeeded"
             return True
         if event.phase == "failed" or (event.phase == "finished" and event.result != "ok"):
             return self._fail(event)
@@ -113,7 +121,12 @@ class StepTracker:
             del self._pending[step]
         self._remember(
             StepRecord(
-                event.step, "Succeeded", self.last_sync_seconds, self.last_sync_bytes, self.last_progress_ts
+                event.step,
+                "Succeeded",
+                self.last_sync_seconds,
+                self.last_sync_bytes,
+                self.last_progress_ts,
+                self.weight_version,
             )
         )
         return True
@@ -124,7 +137,7 @@ class StepTracker:
         self._failed_steps.add(event.step)
         self._pending.pop(event.step, None)
         message = f"{event.result or 'error'} on GPU {event.gpu or event.rank}: {event.error}".strip(": ")
-        record = StepRecord(event.step, "Failed", event.seconds, event.bytes, event.ts, message)
+        record = StepRecord(event.step, "Failed", event.seconds, event.bytes, event.ts, message=message)
         self.last_failure = record
         self._remember(record)
         return True

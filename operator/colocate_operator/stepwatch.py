@@ -1,4 +1,4 @@
-"""One daemon per ColocateJob that follows the job's step-event stream in its Redis meta-store and turns it
+"""One follower per ColocateJob that follows the job's step-event stream in its Redis meta-store and turns it
 into status (weightSync, recentSteps, WeightSyncHealthy, Progressing), metrics and throttled Events.
 
 Async all the way: redis.asyncio for the stream, the blocking Kubernetes client only through
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,15 +38,22 @@ READ_COUNT = 1000
 HEARTBEAT_SECONDS = 15.0  # a phase-only change waits at most this long to reach status
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
 MAX_BACKOFF = 30.0
+WRITE_RETRY_SECONDS = 10.0
+
+
+class JobGone(Exception):
+    """The job was deleted while its follower ran."""
 
 
 @dataclass
 class _Writes:
+    dirty: bool = False  # a step boundary not yet in status (a write can lose 5 conflicts in a row)
     last_write: float = 0.0
     written_phase: str = ""
     written_stalled: bool = False
     last_success_event: float = 0.0
     last_posted: tuple[int, str] | None = None  # (step, result) of the last step Event
+    retry_at: float = 0.0  # after a refused write, wait before the next try (and the next log line)
 
 
 def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) -> str:
@@ -58,11 +66,12 @@ def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) ->
 def write_status(
     api: kube.Kube, namespace: str, name: str, tracker: StepTracker, stalled: bool, deadline: float
 ) -> bool:
-    """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest)."""
+    """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest).
+    False when every try lost a conflict; raises JobGone when the job no longer exists."""
     for _ in range(5):
         body = api.get(kube.COLOCATE_JOBS, namespace, name)
         if body is None:
-            return False
+            raise JobGone(f"{namespace}/{name}")
         current = (body.get("status") or {}).get("conditions") or []
         merged = conditions.merge(
             current,
@@ -84,7 +93,7 @@ def write_status(
             if e.status == 409:
                 continue  # the reconciler wrote in between: read again
             if e.status == 404:
-                return False
+                raise JobGone(f"{namespace}/{name}") from None
             raise
         metrics.STATUS_WRITES.labels("steps").inc()
         return True
@@ -92,9 +101,9 @@ def write_status(
 
 
 async def follow(
-    namespace: str, name: str, api: kube.Kube, config: OperatorConfig, stopped: kopf.DaemonStopped
+    namespace: str, name: str, api: kube.Kube, config: OperatorConfig, stopped: StopFlag
 ) -> None:
-    """Follow one job's stream until the daemon is stopped (job deleted or operator exiting)."""
+    """Follow one job's stream until stopped (job deleted or operator exiting) or the job is gone."""
     body = await asyncio.to_thread(api.get, kube.COLOCATE_JOBS, namespace, name)
     if body is None:
         return
@@ -152,7 +161,19 @@ async def follow(
                     if tracker.observe(event):
                         boundary = True
                         _record_metrics(namespace, name, tracker, before)
-            await _maybe_write(api, body, tracker, writes, boundary, sync.progress_deadline_seconds)
+            try:
+                await _maybe_write(api, body, tracker, writes, boundary, sync.progress_deadline_seconds)
+            except JobGone:
+                return
+            except kube.KubeError as e:
+                writes.retry_at = time.time() + WRITE_RETRY_SECONDS
+                log.warning(
+                    "writing step status of %s/%s failed, retrying in %.0f s: %s",
+                    namespace,
+                    name,
+                    WRITE_RETRY_SECONDS,
+                    e,
+                )
     finally:
         if client is not None:
             await client.aclose()
@@ -180,10 +201,14 @@ async def _maybe_write(
     heartbeat_due = (
         tracker.current_phase != writes.written_phase and now - writes.last_write >= HEARTBEAT_SECONDS
     )
-    if not (boundary or heartbeat_due or stalled != writes.written_stalled):
+    writes.dirty = writes.dirty or boundary
+    if now < writes.retry_at:
+        return
+    if not (writes.dirty or heartbeat_due or stalled != writes.written_stalled):
         return
     if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline):
         return
+    writes.dirty = False
     newly_stalled = stalled and not writes.written_stalled
     writes.last_write, writes.written_phase, writes.written_stalled = now, tracker.current_phase, stalled
     await asyncio.to_thread(_post_step_events, api, body, tracker, writes, newly_stalled, now)
@@ -224,14 +249,85 @@ def _post_step_events(
     writes.last_posted = posted
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
-    """One daemon per job, sharing the reconciler's Kubernetes client (memo.reconciler.api)."""
+class StopFlag:
+    """What `follow` polls: truthy once set, and an interruptible sleep."""
 
-    @kopf.daemon(GROUP, VERSION, PLURAL, id="steps", cancellation_timeout=10, registry=registry)
-    async def follow_steps(
-        name: str, namespace: str, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
-    ) -> None:
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+
+
+class StepWatchers:
+    """One follower task per job on kopf's event loop, started and stopped from the job's watch events.
+
+    Not a kopf daemon: kopf puts a finalizer on every object that has a daemon, so deleting a job would hang
+    whenever the operator is down. A follower that dies is started again by the job's next watch event.
+    """
+
+    def __init__(self, api: kube.Kube, config: OperatorConfig) -> None:
+        self.api = api
+        self.config = config
+        self._running: dict[tuple[str, str], tuple[asyncio.Task[None], StopFlag]] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def ensure(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        if key in self._running:
+            return
+        flag = StopFlag()
+        task = asyncio.get_running_loop().create_task(
+            self._run(namespace, name, flag), name=f"steps:{namespace}/{name}"
+        )
+        self._running[key] = (task, flag)
+
+    def stop(self, namespace: str, name: str) -> None:
+        entry = self._running.get((namespace, name))
+        if entry is not None:
+            entry[1].set()
+
+    async def stop_all(self, timeout: float = 10.0) -> None:
+        for _, flag in self._running.values():
+            flag.set()
+        tasks = [task for task, _ in self._running.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    async def _run(self, namespace: str, name: str, flag: StopFlag) -> None:
         try:
-            await follow(namespace, name, memo.reconciler.api, config, stopped)
+            await follow(namespace, name, self.api, self.config, flag)
+        except Exception:
+            log.exception(
+                "step follower of %s/%s crashed; its next watch event starts it again", namespace, name
+            )
         finally:
+            self._running.pop((namespace, name), None)
             metrics.forget_job(namespace, name)
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Start a step follower for every job the operator sees, stop it when the job is deleted."""
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="steps", registry=registry)
+    async def job_event(event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        if "step_watchers" not in memo:
+            memo.step_watchers = StepWatchers(memo.reconciler.api, config)
+        if event.get("type") == "DELETED":
+            memo.step_watchers.stop(namespace, name)
+        else:
+            memo.step_watchers.ensure(namespace, name)
+
+    @kopf.on.cleanup(id="stop-steps", registry=registry)
+    async def stop_followers(memo: kopf.Memo, **_: Any) -> None:
+        if "step_watchers" in memo:
+            await memo.step_watchers.stop_all()

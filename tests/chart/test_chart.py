@@ -139,7 +139,7 @@ def test_rendered_manifests_pass_server_side_dry_run(cluster: Cluster, namespace
 @pytest.mark.integration
 def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
     helm(cluster, "install", "op", str(CHART), "--namespace", namespace, "--wait", "--timeout", "120s")
-    assert get_json(cluster, "crd", "colocatejobs.colocate.dev")["spec"]["names"]["shortNames"] == ["cj"]
+    assert get_json(cluster, "crd", "colocatejobs.colocate.dev")["spec"]["names"]["shortNames"] == ["cjob"]
     deployment = get_json(cluster, "deployment", "op-colocate-operator", "-n", namespace)
     assert deployment["status"].get("availableReplicas") == 1  # kwok runs the pod on the CPU node
     notes = helm(cluster, "get", "notes", "op", "--namespace", namespace).stdout

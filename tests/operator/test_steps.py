@@ -67,13 +67,21 @@ def test_old_or_repeated_steps_do_not_move_status_back() -> None:
     assert tracker.last_completed_step == 5
 
 
-def test_a_new_trainer_incarnation_drops_pending_steps_and_ignores_the_old_one() -> None:
+def test_incarnations_are_per_gpu_and_a_restart_drops_that_gpus_pending_step() -> None:
     tracker = StepTracker(expected_gpus=2)
+    # Every trainer process has its own incarnation: different gens on different GPUs complete a step.
     tracker.observe(finished(1, "a", gen=1))
-    tracker.observe(finished(1, "b", gen=2))  # new incarnation: gen 1's half-finished step is gone
-    assert tracker.last_completed_step is None
-    assert tracker.observe(finished(1, "a", gen=1)) is False  # stale
-    assert tracker.observe(finished(1, "a", gen=2)) is True
+    assert tracker.observe(finished(1, "b", gen=2)) is True
+    tracker.observe(finished(2, "a", gen=1))
+    tracker.observe(finished(2, "b", gen=3))  # b restarted: its newer incarnation reports step 2
+    assert tracker.last_completed_step == 2
+    assert tracker.observe(finished(3, "b", gen=2)) is False  # stale: b's old incarnation
+    tracker.observe(finished(3, "b", gen=3))
+    assert tracker.observe(finished(3, "a", gen=4)) is True  # a's new incarnation finishes step 3 too
+    tracker.observe(finished(4, "b", gen=3))
+    tracker.observe(finished(3, "b", gen=5))  # b restarted again: its pending step 4 is dropped
+    assert tracker.observe(finished(4, "a", gen=4)) is False
+    assert tracker.observe(finished(4, "b", gen=5)) is True
 
 
 def test_failure_is_recorded_once_per_step_with_its_reason() -> None:
