@@ -47,6 +47,12 @@ run_tests() {
     python3 -m pytest tests/runtime/test_colocated_gpu.py -m gpu -v --noconftest -p no:cacheprovider
 }
 
+run_all_gpu_tests() {
+    # Every GPU test of the repository (colocated CUDA IPC, p2p over NCCL, the reshard exchange).
+    NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_p2p_exec.py \
+        tests/runtime/test_colocated_exchange.py -m gpu -v --noconftest -p no:cacheprovider
+}
+
 run_bench() {
     python3 bench/colocated_bench.py "$@"
 }
@@ -54,7 +60,8 @@ run_bench() {
 case "${1:-}" in
     prepare) prepare ;;
     test) setup_device; run_tests ;;
+    gpu-tests) setup_device; run_all_gpu_tests ;;
     bench) shift; setup_device; run_bench "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
-    *) echo "usage: $0 prepare|test|bench [bench args]|all [bench args]"; exit 2 ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [bench args]|all [bench args]"; exit 2 ;;
 esac
