@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from colocate_operator import conditions, gpus, kube, metrics, names
+from colocate_operator import gpus, kube, kube_events, metrics, names
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND, OPERATOR_NAME
+from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND
 from colocate_operator.decide import EventSpec, Plan, decide, status_patch
 from colocate_operator.observed import ClaimState, Observed, PodState
 from colocate_operator.spec import ColocateJob
@@ -291,41 +291,7 @@ class Reconciler:
         return True
 
     def _post_event(self, body: dict[str, Any], event: EventSpec) -> None:
-        meta = body["metadata"]
-        now = conditions.timestamp(utcnow())
-        manifest = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": body.get("apiVersion", API_VERSION),
-                "kind": body.get("kind", KIND),
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-            },
-            "type": event.type,
-            "reason": event.reason,
-            "message": event.message[:1024],
-            "source": {"component": OPERATOR_NAME, "host": self._instance},
-            "reportingComponent": OPERATOR_NAME,
-            "reportingInstance": self._instance,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            self.api.create(kube.EVENTS, meta["namespace"], manifest)
-        except kube.KubeError as e:
-            log.warning("posting event failed: %s", e, extra={"reason": event.reason})
-        log.info(
-            event.message,
-            extra={
-                "job": f"{meta['namespace']}/{meta['name']}",
-                "event": event.reason,
-                "eventType": event.type,
-            },
-        )
+        kube_events.post_event(self.api, body, event.type, event.reason, event.message)
 
 
 def _is_owned(body: dict[str, Any], uid: str) -> bool:
