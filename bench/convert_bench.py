@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import pstats
 import shlex
 import statistics
@@ -39,23 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_runtime() -> None:
-    """Use the installed package, or map `colocate_runtime` onto ./runtime of a plain checkout."""
-    try:
-        import colocate_runtime  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "colocate_runtime",
-            ROOT / "runtime" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "runtime")],
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["colocate_runtime"] = module
-        spec.loader.exec_module(module)
-
-
-_import_runtime()
+import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime when not installed)
 
 from colocate_runtime.convert import (  # noqa: E402
     MegatronLayout,

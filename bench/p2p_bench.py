@@ -14,7 +14,6 @@ the table. Runs on CPU with gloo for a smoke test: --device cpu --preset tiny.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
 import statistics
@@ -34,23 +33,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_runtime() -> None:
-    """Use the installed package, or map `colocate_runtime` onto ./runtime of a plain checkout."""
-    try:
-        import colocate_runtime  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "colocate_runtime",
-            ROOT / "runtime" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "runtime")],
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["colocate_runtime"] = module
-        spec.loader.exec_module(module)
-
-
-_import_runtime()
+import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime when not installed)
 
 from colocate_runtime.p2p.chunks import assign_chunks  # noqa: E402
 from colocate_runtime.p2p.config import ExecutorConfig  # noqa: E402
