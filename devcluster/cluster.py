@@ -36,6 +36,8 @@ class ClusterSpec:
     verbose: bool = True
     # Appended to kube-apiserver's command line, e.g. an audit policy for benchmarks; later flags win.
     extra_apiserver_args: tuple[str, ...] = ()
+    # Appended to kube-controller-manager's command line, e.g. controllers a benchmark turns off.
+    extra_controller_manager_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_nodes < 0 or self.gpus_per_node < 1:
@@ -224,6 +226,7 @@ class Cluster:
             f"--cluster-signing-cert-file={pki.ca_cert}",
             f"--cluster-signing-key-file={pki.ca_key}",
             "--profiling=false",
+            *self.spec.extra_controller_manager_args,
         )
         scheduler = self._component(
             "kube-scheduler",
