@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.scale import report
 from bench.scale.run import RunSpec, run
+from bench.scale.source import snapshot
 from bench.scale.testbed import ROOT, Testbed, cpu_nodes_for, say
 from bench.scale.workloads import PODS_PER_JOB
 
@@ -45,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "scale" / "results")
     parser.add_argument("--plots", type=Path, default=None, help="write the PNG here (e.g. docs)")
+    parser.add_argument(
+        "--operator-ref",
+        default="HEAD",
+        help="git revision of our operator to measure (default HEAD; 'worktree': the work tree as it is)",
+    )
     return parser.parse_args(argv)
 
 
@@ -74,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="colocate-scale-"))
     args.out.mkdir(parents=True, exist_ok=True)
     say(f"work directory (logs, audit log): {workdir}")
+    source = snapshot(args.operator_ref, workdir / "operator-source")
+    say(f"our operator: {source.commit or 'work tree'}")
     bed = Testbed(
         workdir,
         args.nodes,
         cpu_nodes_for(max(sizes)),
         kuberay_crd_dir=kuberay_crds,
         with_redis="colocate" in operators,
+        source=source,
     )
     started = time.monotonic()
     bed.start()
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                     step_seconds=args.steps,
                 )
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))
-                _write(args.out, args, runs, time.monotonic() - started)
+                _write(args.out, args, runs, time.monotonic() - started, source.commit)
     finally:
         bed.stop()
     tables = report.render(runs)
@@ -108,16 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float) -> None:
+def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float, commit: str) -> None:
     meta = {
         "command": "python -m bench.scale " + " ".join(sys.argv[1:]),
         "nodes": args.nodes,
         "machine": {"cpus": _cpus(), "python": platform.python_version()},
         "elapsed_seconds": elapsed,
         "git": _git_head(),
-        # The operator is measured as it is in the work tree, committed or not.
+        "operator_commit": commit or "work tree",
+        "operator_tree_clean": _clean(ROOT / "operator"),  # matters only when the work tree is measured
         "operator_source_sha256": _source_digest(ROOT / "operator"),
-        "operator_tree_clean": _clean(ROOT / "operator"),
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
 

@@ -90,9 +90,10 @@ class OperatorProcess:
 
 
 def colocate_operator(
-    namespace: str, kubeconfig: Path, log_path: Path, *, with_steps: bool = False
+    namespace: str, kubeconfig: Path, log_path: Path, *, with_steps: bool = False, pythonpath: str = ""
 ) -> OperatorProcess:
-    """`python -m colocate_operator`; with_steps: through the launcher that adds the step-event daemon."""
+    """`python -m colocate_operator`; with_steps: through the launcher that makes sure the step-event
+    handlers are registered; pythonpath: where its packages come from (see source.py)."""
     port = free_port()
     return OperatorProcess(
         "colocate" if with_steps else "colocate-managed",
@@ -107,7 +108,7 @@ def colocate_operator(
         ],
         f"http://127.0.0.1:{port}/healthz",
         log_path,
-        {"KUBECONFIG": str(kubeconfig), **({"BENCH_WEIGHT_VERSION_SHIM": "1"} if with_steps else {})},
+        {"KUBECONFIG": str(kubeconfig), **({"PYTHONPATH": pythonpath} if pythonpath else {})},
     )
 
 

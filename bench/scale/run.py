@@ -71,7 +71,13 @@ def _operator(
     log = logs / f"{spec.operator}-{spec.jobs}.log"
     if spec.operator in ("colocate", "colocate-managed"):
         with_steps = spec.operator == "colocate"
-        return colocate_operator(namespace, bed.kubeconfigs["colocate"], log, with_steps=with_steps)
+        return colocate_operator(
+            namespace,
+            bed.kubeconfigs["colocate"],
+            log,
+            with_steps=with_steps,
+            pythonpath=bed.source.pythonpath,
+        )
     assert kuberay is not None, "the KubeRay operator binary is needed"
     return kuberay_operator(kuberay, namespace, bed.kubeconfigs["kuberay"], log)
 

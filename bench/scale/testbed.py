@@ -4,11 +4,11 @@ requests, a service account (and kubeconfig) per operator, and both operators' C
 Nodes and ResourceSlices are created by this harness in parallel batches rather than by the devcluster's one
 `kubectl apply` (which reads each object before writing it): 1000 nodes take seconds this way.
 
-kube-controller-manager runs without its node-lifecycle controller. kwok renews 1000 node leases; when the
-shared 2-core machine is saturated, the controller-manager's lease informer lags, it takes healthy fake
-nodes for unresponsive ones and marks their pods NotReady, and kwok never makes a Running pod Ready again
-(no kubelet does). Seen at 250 jobs: 68 jobs stayed Pending with all pods Running. Nothing measured here
-needs node health.
+kube-controller-manager allows fake nodes 10 minutes without a heartbeat (default 50 s). kwok renews 1000
+node leases; when the shared 2-core machine is saturated, the controller-manager's lease informer lags, it
+takes healthy fake nodes for unresponsive ones and marks their pods NotReady, and kwok never makes a Running
+pod Ready again (no kubelet does). Seen at 250 jobs: 68 jobs stayed Pending with all their pods Running.
+(Turning the node-lifecycle controller off is no way out: it also lifts the not-ready taint new nodes get.)
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 import yaml
 
 from bench.scale.kubeapi import Api, ApiError
+from bench.scale.source import OperatorSource, snapshot
 from bench.scale.steps import LocalRedis
 from bench.scale.workloads import METASTORE_SECRET
 from colocate_devcluster import Cluster, ClusterSpec, manifests
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_CRD = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
 KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
 BENCH_NAMESPACE = "colocate-bench"
 OPERATOR_ACCOUNTS = {"colocate": "colocate-operator", "kuberay": "kuberay-operator"}
@@ -68,6 +68,7 @@ class Testbed:
     bin_dir: Path | None = None
     kuberay_crd_dir: Path | None = None
     with_redis: bool = False  # for the step-event runs
+    source: OperatorSource = field(default_factory=lambda: snapshot("worktree", Path()))
     cluster: Cluster = field(init=False)
     redis: LocalRedis | None = None
     api: Api = field(init=False)
@@ -92,7 +93,7 @@ class Testbed:
                 "--audit-log-format=json",
                 "--audit-log-maxsize=0",
             ),
-            extra_controller_manager_args=("--controllers=*,-node-lifecycle-controller",),
+            extra_controller_manager_args=("--node-monitor-grace-period=10m",),
         )
         self.cluster = Cluster(spec)
         self.cluster.start()
@@ -192,7 +193,7 @@ class Testbed:
             self.kubeconfigs[operator] = path
 
     def _crds(self) -> None:
-        files = [OUR_CRD]
+        files = [self.source.crd]
         if self.kuberay_crd_dir is not None:
             files += [self.kuberay_crd_dir / name for name in KUBERAY_CRDS]
         for path in files:
