@@ -23,6 +23,12 @@ Optional, with defaults:
 | `COLOCATE_SHM_DIR` | `/dev/shm` | directory of the shared-memory buckets (`SharedMemory` transport only) |
 | `COLOCATE_ROLLOUT_PORT` | `30000` | SGLang's HTTP port in the same pod (the adapter calls 127.0.0.1) |
 | `COLOCATE_SGLANG_URL` | from the port | SGLang's HTTP address, when it is not `http://127.0.0.1:PORT` |
+| `COLOCATE_IPC_PREFLIGHT` | `Off` | `Wait`, `Fail` or `Off`: the IPC preflight (preflight.py), see below |
+| `COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS` | `60` | one preflight attempt; no answer in it: `PeerTimeout` |
+| `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `0` | `Wait` mode gives up (raises) after this long; `0`: never |
+
+The operator sets `COLOCATE_IPC_PREFLIGHT` from `spec.weightSync.ipcPreflight.mode` (default `Wait`); unset,
+it is `Off`, because outside the operator's pods (tests, benchmarks) nothing may answer a preflight.
 
 Everything else in the runtime takes a `ColocateConfig` (or a part of it); nothing below reads `os.environ`.
 """
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 
 TRANSPORTS = ("CudaIPC", "SharedMemory", "NCCL")
 VERIFY_MODES = ("None", "SampledChecksum")
+PREFLIGHT_MODES = ("Wait", "Fail", "Off")
 
 
 class ConfigError(ValueError):
@@ -64,6 +71,9 @@ class ColocateConfig:
     transport: str = "CudaIPC"
     shm_dir: str = "/dev/shm"
     sglang_url: str = "http://127.0.0.1:30000"
+    ipc_preflight: str = "Off"
+    ipc_preflight_timeout_s: float = 60.0
+    ipc_preflight_wait_s: float = 0.0  # 0: Wait mode waits forever
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -82,6 +92,20 @@ class ColocateConfig:
             raise ConfigError(f"COLOCATE_VERIFY={self.verify!r}: expected one of {VERIFY_MODES}")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"COLOCATE_TRANSPORT={self.transport!r}: expected one of {TRANSPORTS}")
+        if self.ipc_preflight not in PREFLIGHT_MODES:
+            raise ConfigError(
+                f"COLOCATE_IPC_PREFLIGHT={self.ipc_preflight!r}: expected one of {PREFLIGHT_MODES}"
+            )
+        if self.ipc_preflight_timeout_s <= 0 or self.ipc_preflight_wait_s < 0:
+            raise ConfigError(
+                "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS must be positive and "
+                "COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS not negative"
+            )
+        if self.key_ttl_s < self.ipc_preflight_timeout_s:
+            raise ConfigError(
+                f"COLOCATE_KEY_TTL_SECONDS ({self.key_ttl_s}) must be at least "
+                f"COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS ({self.ipc_preflight_timeout_s})"
+            )
 
     @staticmethod
     def from_env(environ: Mapping[str, str]) -> ColocateConfig:
@@ -120,4 +144,7 @@ class ColocateConfig:
             shm_dir=environ.get("COLOCATE_SHM_DIR", "").strip() or "/dev/shm",
             sglang_url=environ.get("COLOCATE_SGLANG_URL", "").strip()
             or f"http://127.0.0.1:{int(number('COLOCATE_ROLLOUT_PORT', 30000, int))}",
+            ipc_preflight=environ.get("COLOCATE_IPC_PREFLIGHT", "").strip() or "Off",
+            ipc_preflight_timeout_s=number("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", 60.0),
+            ipc_preflight_wait_s=number("COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS", 0.0),
         )

@@ -4,7 +4,8 @@ Stream key, one per job: `colocate:{namespace}:{job}:events`, where `namespace` 
 `COLOCATE_NAMESPACE` and `COLOCATE_JOB_NAME` (see config.py). The stream is capped (`XADD MAXLEN ~ 10000`);
 it is written with `XADD` by the trainer-side writer and the SGLang-side reader of every pod and GPU.
 
-Every entry has all of these fields, as strings (Redis stream values are strings):
+Every entry has these fields, as strings (Redis stream values are strings); `reason` is optional (only
+preflight events carry it, and a decoder must accept entries without it):
 
 | field | meaning |
 |---|---|
@@ -24,6 +25,7 @@ Every entry has all of these fields, as strings (Redis stream values are strings
 | `weight_version` | the version the step installs in SGLang |
 | `final` | `true` only on the last record of a training run, else `false` |
 | `error` | short message on `failed` (at most 512 characters; never contains secrets), else empty |
+| `reason` | optional, `preflight` only: the CamelCase outcome (`PREFLIGHT_REASONS`), absent when empty |
 | `ts` | wall-clock time of the event, Unix seconds |
 
 Phases, in order. Trainer: `published` (manifest and handles written; `seconds` covers packing and
@@ -33,8 +35,14 @@ publishing), `acked` (ACK received; `seconds` = wait), `freed` (buckets returned
 `final=true`, `step` = last step, `result` = `ok` or `error`: success of the job needs this record, not exit
 codes.
 
-For status, the operator needs only the trainer's `finished`, `failed` and `final` records: a step is
-complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that step.
+Before its first step each trainer process runs the IPC preflight on its GPU (preflight.py):
+`phase=preflight`, `step=0`, `gen` = the incarnation. The trainer writes one with an empty `result` when an
+attempt starts and one with `result=ok` (`reason=PreflightPassed`) or `result=error` and a failure `reason`
+when it ends; the reader side writes one with its own verdict. A pass holds for that incarnation only.
+
+For status, the operator needs only the trainer's `finished`, `failed`, `final` and `preflight` records: a
+step is complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that
+step.
 """
 
 from __future__ import annotations
@@ -58,8 +66,28 @@ PHASES = (
     "finished",
     "failed",
     "final",
+    "preflight",
 )
 RESULTS = ("", "ok", "error", "aborted", "timeout", "peer_lost", "metastore_lost")
+
+
+# Outcomes of the IPC preflight (the `reason` of preflight events; the operator's IPCReady reasons).
+PREFLIGHT_PASSED = "PreflightPassed"
+SHM_NOT_SHARED = "ShmNotShared"  # the trainer's shared-memory file is not visible to the reader
+DEVICE_UUID_MISMATCH = "DeviceUUIDMismatch"  # no GPU of the reader's container has the trainer's UUID
+OPEN_MEM_HANDLE_FAILED = "OpenMemHandleFailed"  # opening the exported memory raised
+PATTERN_MISMATCH = "PatternMismatch"  # opened, but the bytes differ from what the trainer wrote
+PID_NAMESPACE_NOT_SHARED = "PIDNamespaceNotShared"  # the reader cannot see the trainer's process
+PEER_TIMEOUT = "PeerTimeout"  # no answer within the preflight timeout
+PREFLIGHT_FAILURES = (
+    SHM_NOT_SHARED,
+    DEVICE_UUID_MISMATCH,
+    OPEN_MEM_HANDLE_FAILED,
+    PATTERN_MISMATCH,
+    PID_NAMESPACE_NOT_SHARED,
+    PEER_TIMEOUT,
+)
+PREFLIGHT_REASONS = (PREFLIGHT_PASSED, *PREFLIGHT_FAILURES)
 
 
 class EventError(ValueError):
@@ -88,6 +116,7 @@ class StepEvent:
     final: bool = False
     error: str = ""
     ts: float = 0.0
+    reason: str = ""  # preflight events only (PREFLIGHT_REASONS)
 
     def __post_init__(self) -> None:
         if self.role not in ("trainer", "reader"):
@@ -96,12 +125,14 @@ class StepEvent:
             raise EventError(f"phase {self.phase!r} is not one of {PHASES}")
         if self.result not in RESULTS:
             raise EventError(f"result {self.result!r} is not one of {RESULTS}")
+        if self.reason and self.reason not in PREFLIGHT_REASONS:
+            raise EventError(f"reason {self.reason!r} is not one of {PREFLIGHT_REASONS}")
 
 
 def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
     """Stream fields of an event; `ts` is set from `now` (or the clock) when the event has none."""
     ts = event.ts or (time.time() if now is None else now)
-    return {
+    fields = {
         "v": str(SCHEMA_VERSION),
         "role": event.role,
         "gen": str(event.gen),
@@ -122,6 +153,9 @@ def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
         "error": event.error[:ERROR_MAX_CHARS],
         "ts": f"{ts:.6f}",
     }
+    if event.reason:  # optional: entries without it stay byte-for-byte what older writers produced
+        fields["reason"] = event.reason
+    return fields
 
 
 def decode(fields: dict[Any, Any]) -> StepEvent:
@@ -150,6 +184,7 @@ def decode(fields: dict[Any, Any]) -> StepEvent:
             final=f.get("final") == "true",
             error=f.get("error", ""),
             ts=float(f.get("ts") or 0),
+            reason=f.get("reason", ""),
         )
     except (KeyError, ValueError, TypeError) as err:
         if isinstance(err, EventError):

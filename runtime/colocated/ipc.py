@@ -17,7 +17,7 @@ import os
 import torch
 
 from colocate_runtime.colocated.manifest import Descriptor
-from colocate_runtime.colocated.transport import LocalBucket, TransportError
+from colocate_runtime.colocated.transport import DeviceNotVisible, LocalBucket, TransportError
 
 KIND = "CudaIPC"
 _ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -35,10 +35,15 @@ def device_index_of(uuid: str) -> int:
         if gpu_uuid(i) == uuid:
             return i
     visible = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
-    raise TransportError(
+    raise DeviceNotVisible(
         f"no visible GPU has UUID {uuid} (visible: {visible}); "
         "the trainer and SGLang containers must share the same GPUs"
     )
+
+
+def visible_uuids() -> frozenset[str]:
+    """UUIDs of every GPU this process can see (no CUDA context is created for them)."""
+    return frozenset(gpu_uuid(i) for i in range(torch.cuda.device_count()))
 
 
 def allocator_settings() -> str:

@@ -19,6 +19,12 @@ differently).
 | `{p}:g{gen}:s{step}:ack:{uuid}` | JSON, TTL, NX | reader | manifest.Ack (states `ipc_closed`) |
 | `{p}:g{gen}:s{step}:ackq:{uuid}` | list, TTL | reader | a token pushed with the ACK (trainer blocks on it) |
 | `{p}:g{gen}:s{step}:abort` | string, TTL | anyone | reason; aborts this step |
+| `{p}:preflight:r{replica}` | hash, TTL | trainer | UUID -> JSON `{gen, attempt}`: the pod's newest offers |
+| `{p}:preflight:q:{uuid}` | list, TTL | trainer | `gen:attempt` per offer (the reader side blocks on it) |
+| `{p}:g{gen}:pf{n}:offer:{uuid}` | bytes (msgpack), TTL, NX | trainer | preflight attempt `n`: preflight.py |
+| `{p}:g{gen}:pf{n}:claim:{uuid}` | string, TTL, NX | reader before opening / trainer | reader / `revoked` |
+| `{p}:g{gen}:pf{n}:result:{uuid}` | JSON, TTL, NX | reader | the verdict, written after the verified close |
+| `{p}:g{gen}:pf{n}:resultq:{uuid}` | list, TTL | reader | a token pushed with the verdict (trainer waits) |
 """
 
 from __future__ import annotations
@@ -71,6 +77,27 @@ class KeySchema:
 
     def step_abort(self, gen: int, step: int) -> str:
         return f"{self.step_prefix(gen, step)}:abort"
+
+    def preflight_index(self, replica: int) -> str:
+        return f"{self.prefix}:preflight:r{replica}"
+
+    def preflight_queue(self, uuid: str) -> str:
+        return f"{self.prefix}:preflight:q:{uuid}"
+
+    def preflight_prefix(self, gen: int, attempt: int) -> str:
+        return f"{self.prefix}:g{gen}:pf{attempt}"
+
+    def preflight_offer(self, gen: int, attempt: int, uuid: str) -> str:
+        return f"{self.preflight_prefix(gen, attempt)}:offer:{uuid}"
+
+    def preflight_claim(self, gen: int, attempt: int, uuid: str) -> str:
+        return f"{self.preflight_prefix(gen, attempt)}:claim:{uuid}"
+
+    def preflight_result(self, gen: int, attempt: int, uuid: str) -> str:
+        return f"{self.preflight_prefix(gen, attempt)}:result:{uuid}"
+
+    def preflight_result_queue(self, gen: int, attempt: int, uuid: str) -> str:
+        return f"{self.preflight_prefix(gen, attempt)}:resultq:{uuid}"
 
     def step_keys(self, gen: int, step: int, uuid: str) -> tuple[str, ...]:
         """Every per-GPU key of one step (for deletion of old steps); the step's abort key is shared."""

@@ -43,6 +43,20 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return ARGV[1] 
 return redis.call('GET', KEYS[1])
 """
 
+# A preflight offer (NX) announced in one step: its pod's index names it, and the reader side's queue wakes.
+_OFFER_PREFLIGHT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  redis.call('RPUSH', KEYS[3], ARGV[5])
+  redis.call('LTRIM', KEYS[3], -16, -1)
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+  return 1
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return 2 end
+return 0
+"""
+
 CLAIM_READER = "reader"
 CLAIM_REVOKED = "revoked"
 
@@ -99,6 +113,7 @@ class MetaStore:
         self.address = address
         self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
         self._claim = client.register_script(_CLAIM)
+        self._offer_preflight = client.register_script(_OFFER_PREFLIGHT)
 
     @staticmethod
     def connect(
@@ -247,6 +262,80 @@ class MetaStore:
     def delete_steps(self, gen: int, steps: Iterable[int], uuid: str) -> int:
         keys = [k for s in steps for k in self.keys.step_keys(gen, s, uuid)]
         return int(self.client.delete(*keys)) if keys else 0
+
+    # --- IPC preflight ------------------------------------------------------------------------------------
+
+    @_translated
+    def offer_preflight(self, gen: int, attempt: int, uuid: str, replica: int, blob: bytes) -> bool:
+        """Write a preflight offer (NX), name it in the pod's index and wake the reader side."""
+        result = self._offer_preflight(
+            keys=[
+                self.keys.preflight_offer(gen, attempt, uuid),
+                self.keys.preflight_index(replica),
+                self.keys.preflight_queue(uuid),
+            ],
+            args=[
+                blob,
+                self.key_ttl_ms,
+                uuid,
+                json.dumps({"gen": gen, "attempt": attempt}),
+                f"{gen}:{attempt}",
+            ],
+        )
+        if int(result) == 0:
+            raise MetaStoreConflict(f"preflight {attempt} of generation {gen} on {uuid} already has an offer")
+        return int(result) == 1
+
+    @_translated
+    def preflight_offers(self, replica: int) -> dict[str, tuple[int, int]]:
+        """The newest preflight of each trainer GPU of a pod: UUID -> (gen, attempt)."""
+        offers = {}
+        for raw_uuid, raw in self.client.hgetall(self.keys.preflight_index(replica)).items():
+            try:
+                d = json.loads(raw)
+                offers[raw_uuid.decode()] = (int(d["gen"]), int(d["attempt"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # not ours to repair; the trainer overwrites it with its next attempt
+        return offers
+
+    @_translated
+    def wait_preflight_offer(self, uuid: str, timeout_s: float) -> bool:
+        """Block at most `timeout_s` for a new preflight offer on GPU `uuid` (a wake-up only)."""
+        return self.client.blpop([self.keys.preflight_queue(uuid)], timeout=max(timeout_s, 0.01)) is not None
+
+    @_translated
+    def read_preflight_offer(self, gen: int, attempt: int, uuid: str) -> bytes | None:
+        return self.client.get(self.keys.preflight_offer(gen, attempt, uuid))
+
+    @_translated
+    def claim_preflight(self, gen: int, attempt: int, uuid: str, who: str) -> str:
+        """First come wins, as for steps: the reader claims before it opens; the trainer revokes late."""
+        key = self.keys.preflight_claim(gen, attempt, uuid)
+        winner = self._claim(keys=[key], args=[who, self.key_ttl_ms])
+        return winner.decode() if isinstance(winner, bytes) else str(winner)
+
+    @_translated
+    def write_preflight_result(self, gen: int, attempt: int, uuid: str, text: str) -> bool:
+        """The reader side's verdict (NX). False when a verdict is already there (another worker's)."""
+        result = self._set_nx_notify(
+            keys=[
+                self.keys.preflight_result(gen, attempt, uuid),
+                self.keys.preflight_result_queue(gen, attempt, uuid),
+            ],
+            args=[text, self.key_ttl_ms, "1"],
+        )
+        return int(result) == 1
+
+    @_translated
+    def wait_preflight_result(self, gen: int, attempt: int, uuid: str, timeout_s: float) -> bytes | None:
+        """Block at most `timeout_s` for the verdict of one preflight attempt."""
+        key = self.keys.preflight_result_queue(gen, attempt, uuid)
+        self.client.blpop([key], timeout=max(timeout_s, 0.01))
+        return self.client.get(self.keys.preflight_result(gen, attempt, uuid))
+
+    @_translated
+    def read_preflight_result(self, gen: int, attempt: int, uuid: str) -> bytes | None:
+        return self.client.get(self.keys.preflight_result(gen, attempt, uuid))
 
     # --- events -------------------------------------------------------------------------------------------
 

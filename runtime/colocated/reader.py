@@ -23,7 +23,7 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -49,6 +49,9 @@ from colocate_runtime.colocated.transport import BucketImporter
 from colocate_runtime.colocated.views import dtype_name, entry_view, torch_dtype
 from colocate_runtime.colocated.waits import Deadline
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
+
+if TYPE_CHECKING:
+    from colocate_runtime.colocated.preflight_reader import PreflightResponder
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,7 @@ class WeightReader:
         self._lost_gen: int | None = None
         self._programs: dict[tuple, _CopyProgram] = {}
         self._exchange_called: bool | None = None  # None outside a step; else whether this step called it
+        self.preflight: PreflightResponder | None = None  # the IPC preflight responder; stopped at close
         for name, shard in self.target_shards.items():
             t = self.targets.get(name)
             if t is None or tuple(t.shape) != shard.box.lengths:
@@ -177,6 +181,9 @@ class WeightReader:
         return self
 
     def close(self) -> None:
+        if self.preflight is not None:
+            self.preflight.stop()
+            self.preflight = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from colocate_runtime.colocated.manifest import Descriptor
-from colocate_runtime.colocated.transport import LocalBucket, TransportError
+from colocate_runtime.colocated.transport import BucketGone, LocalBucket, TransportError
 
 KIND = "SharedMemory"
 
@@ -83,7 +83,10 @@ class SharedMemoryImporter:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            raise TransportError(f"bucket file {path} is gone (producer freed it or died)") from None
+            raise BucketGone(
+                f"bucket file {path} is gone (the producer freed it or died, or its shared-memory "
+                "directory is not this one)"
+            ) from None
         if size < nbytes or descriptor.get("nbytes") != nbytes:
             raise TransportError(f"bucket file {path} holds {size} bytes, the manifest says {nbytes}")
         return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)

@@ -20,6 +20,14 @@ class TransportError(RuntimeError):
     """Memory that cannot be exported or a descriptor that cannot be opened (the message says why)."""
 
 
+class DeviceNotVisible(TransportError):
+    """The descriptor names a GPU (by UUID) that this process cannot see: the containers differ in GPUs."""
+
+
+class BucketGone(TransportError):
+    """The bucket's shared-memory file is not there for this process (freed, or a different /dev/shm)."""
+
+
 @dataclass(slots=True)
 class LocalBucket:
     """The producer's own bucket: a flat uint8 tensor and, once exported, its descriptor."""

@@ -11,6 +11,8 @@ from colocate_runtime.colocated.config import ColocateConfig, ConfigError
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.liveness import host_id
 from colocate_runtime.colocated.metastore import MetaStore
+from colocate_runtime.colocated.preflight import PreflightSettings
+from colocate_runtime.colocated.preflight_reader import PreflightResponder
 from colocate_runtime.colocated.reader import Exchange, ReaderSettings, WeightReader
 from colocate_runtime.colocated.transport import BucketExporter, BucketImporter
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
@@ -77,14 +79,43 @@ def new_writer(
     device: torch.device | int | None = None,
     store: MetaStore | None = None,
 ) -> WeightWriter:
-    """A started writer: a new trainer incarnation, heartbeating."""
+    """A started writer: a new trainer incarnation, heartbeating, its IPC preflight passed (unless Off).
+    Raises PreflightFailed as `WeightWriter.start` does, after closing the writer."""
     writer = WeightWriter(
         store or connect(cfg),
         exporter_for(cfg, rank=rank, device=device),
         WriterSettings.from_config(cfg, rank=rank),
     )
-    writer.start()
+    try:
+        writer.start()
+    except BaseException:
+        writer.close()
+        raise
     return writer
+
+
+def new_responder(
+    cfg: ColocateConfig,
+    *,
+    rank: int = 0,
+    device: torch.device | int | None = None,
+    store: MetaStore | None = None,
+) -> PreflightResponder:
+    """A started IPC preflight responder for the SGLang side (its own thread; `stop()` ends it)."""
+    _colocated_only(cfg)
+    visible = None
+    if cfg.transport == "CudaIPC":
+        from colocate_runtime.colocated.ipc import visible_uuids
+
+        visible = visible_uuids()
+    return PreflightResponder(
+        store or connect(cfg),
+        importer_for(cfg, rank=rank, device=device),
+        PreflightSettings.from_config(cfg),
+        replica=cfg.replica_index,
+        rank=rank,
+        visible=visible,
+    ).start()
 
 
 def new_reader(
@@ -96,9 +127,11 @@ def new_reader(
     target_shards: Mapping[str, TensorShard] | None = None,
     exchange: Exchange | None = None,
     store: MetaStore | None = None,
+    preflight: bool = True,
 ) -> WeightReader:
-    """A started reader over `targets` (name -> parameter), heartbeating."""
-    return WeightReader(
+    """A started reader over `targets` (name -> parameter), heartbeating, and (unless the preflight is Off or
+    `preflight=False`: another responder serves this GPU) answering the trainer's IPC preflight."""
+    reader = WeightReader(
         store or connect(cfg),
         importer_for(cfg, rank=rank, device=device),
         targets,
@@ -106,6 +139,9 @@ def new_reader(
         target_shards=target_shards,
         exchange=exchange,
     ).start()
+    if preflight and cfg.ipc_preflight != "Off":
+        reader.preflight = new_responder(cfg, rank=rank, device=device, store=reader.store)
+    return reader
 
 
 def reshard_exchange(

@@ -10,6 +10,9 @@ the reader is known dead, or when the reader provably never opened it (the train
 Otherwise the buckets are parked, never reused, and freed later when one of those becomes true (a reader that
 acknowledges a later step holds no mapping of an earlier one: it opens one step at a time and closes it
 before its ACK).
+
+Unless the IPC preflight is `Off`, no step is published on a GPU before its preflight passed in this
+incarnation (preflight.py): `start()` runs it, and `publish()` runs it first if `start` did not.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from colocate_runtime.colocated.outcome import (
     StepReport,
     StepTimedOut,
 )
+from colocate_runtime.colocated.preflight import PreflightSettings, Verdict
+from colocate_runtime.colocated.preflight_trainer import TrainerPreflight
 from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
 from colocate_runtime.colocated.views import dtype_name, entry_view
 from colocate_runtime.colocated.waits import Deadline
@@ -65,6 +70,7 @@ class WriterSettings:
     heartbeat_ttl_s: float = 10.0
     checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
+    preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
 
     @staticmethod
     def from_config(cfg: ColocateConfig, *, rank: int = 0, checksum_entries: int = 8) -> WriterSettings:
@@ -77,6 +83,7 @@ class WriterSettings:
             step_timeout_s=cfg.step_timeout_s,
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             checksum_entries=checksum_entries if cfg.verify == "SampledChecksum" else 0,
+            preflight=PreflightSettings.from_config(cfg),
         )
 
 
@@ -108,11 +115,15 @@ class WeightWriter:
         self._state = "idle"
         self._heartbeat: Heartbeat | None = None
         self._run_id = ""
+        self._preflight: TrainerPreflight | None = None
+        self._preflight_gen: int | None = None  # the incarnation whose preflight passed
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
-    def start(self) -> int:
-        """Begin a trainer incarnation (a new `gen`) and start heartbeating. Returns the generation."""
+    def start(self, *, preflight: bool = True) -> int:
+        """Begin a trainer incarnation (a new `gen`) and start heartbeating, then run the IPC preflight unless
+        it is Off or `preflight=False` (the first `publish` runs it then). Returns the generation; raises
+        PreflightFailed (Fail mode, or Wait mode past its deadline)."""
         self.gen = self.store.start_incarnation(self.uuid)
         self._run_id = self.store.server_run_id()
         gen = self.gen
@@ -130,7 +141,33 @@ class WeightWriter:
             on_beat=lambda: self.store.restore_gen(self.uuid, gen),
         ).start()
         log.info("colocated writer on %s started generation %d", self.uuid, gen)
+        if preflight and self.settings.preflight.enabled:
+            self.preflight()
         return gen
+
+    def preflight(self) -> Verdict:
+        """Run the IPC preflight of this incarnation on this GPU; blocks as its mode says (preflight.py)."""
+        gen = self._gen()
+        if self._preflight is None:
+            self._preflight = TrainerPreflight(
+                self.store,
+                self.exporter,
+                self.settings.preflight,
+                replica=self.settings.replica,
+                rank=self.settings.rank,
+                emit=self._emit,
+            )
+        state, self._state = self._state, "preflight"
+        try:
+            verdict = self._preflight.run(gen)
+        finally:
+            self._state = state
+        self._preflight_gen = gen
+        return verdict
+
+    @property
+    def preflight_passed(self) -> bool:
+        return self._preflight_gen is not None and self._preflight_gen == self.gen
 
     def finish(self, *, ok: bool = True, error: str = "") -> None:
         """The last record of a training run (`final=true`): the operator's proof that training succeeded."""
@@ -186,6 +223,8 @@ class WeightWriter:
         gen = self._gen()
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step {step} is not after the last published step {self.last_step}")
+        if self.settings.preflight.enabled and not self.preflight_passed:
+            self.preflight()  # raises rather than publish to a reader side that cannot open it
         self._reap_parked()
         t0 = time.perf_counter()
         shards = shards or {}

@@ -28,6 +28,12 @@ group. Every TP worker sets both resolvers before the first update, e.g. at impo
 Rank r of both layouts is the TP worker of group rank r: the trainer layout names, under r, the trainer shard
 published on that worker's GPU. The resolver runs on the first update, on every worker at once (creating the
 exchange is collective). Each update is then one collective step: SGLang runs the loader on every TP worker.
+
+The trainer publishes no step before its IPC preflight passed (colocated/preflight.py), and SGLang imports
+this loader only at the first update, so each TP worker starts the preflight responder at its own start, in
+the same module that sets the resolvers (the SGLang stand-in calls it at startup):
+
+    start_preflight()   # after the worker's CUDA device is set; a no-op when COLOCATE_IPC_PREFLIGHT=Off
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.preflight_reader import PreflightResponder
 from colocate_runtime.colocated.reader import WeightReader
-from colocate_runtime.colocated.wiring import new_reader
+from colocate_runtime.colocated.wiring import new_reader, new_responder
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
@@ -52,6 +59,7 @@ ExchangeResolver = Callable[[torch.nn.Module, ColocateConfig], "ReshardExchange 
 
 _lock = threading.Lock()
 _readers: dict[int, WeightReader] = {}
+_responder: PreflightResponder | None = None
 _config: ColocateConfig | None = None
 _resolver: TargetResolver | None = None
 _exchange_resolver: ExchangeResolver | None = None
@@ -81,26 +89,45 @@ def _tp_rank() -> int:
     return 0
 
 
-def reader_for(model: torch.nn.Module) -> WeightReader:
+def _cfg() -> ColocateConfig:
     global _config
+    if _config is None:
+        _config = ColocateConfig.from_env(os.environ)
+    return _config
+
+
+def start_preflight(rank: int | None = None) -> PreflightResponder | None:
+    """Answer the trainer's IPC preflight from this worker from now on (once per process; see above).
+    `rank` as the reader's (the TP rank by default). None when the preflight is Off."""
+    global _responder
+    with _lock:
+        cfg = _cfg()
+        if _responder is None and cfg.ipc_preflight != "Off" and cfg.transport != "NCCL":
+            device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
+            _responder = new_responder(cfg, rank=_tp_rank() if rank is None else rank, device=device)
+        return _responder
+
+
+def reader_for(model: torch.nn.Module) -> WeightReader:
     with _lock:
         reader = _readers.get(id(model))
         if reader is None:
-            if _config is None:
-                _config = ColocateConfig.from_env(os.environ)
+            cfg = _cfg()
             targets = (_resolver or named_parameters)(model)
-            device = torch.cuda.current_device() if _config.transport == "CudaIPC" else None
-            exchange = _exchange_resolver(model, _config) if _exchange_resolver is not None else None
+            device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
+            exchange = _exchange_resolver(model, cfg) if _exchange_resolver is not None else None
+            preflight = _responder is None  # late: start_preflight was not called at worker start
             if exchange is None:
-                reader = new_reader(_config, targets, rank=_tp_rank(), device=device)
+                reader = new_reader(cfg, targets, rank=_tp_rank(), device=device, preflight=preflight)
             else:
                 reader = new_reader(
-                    _config,
+                    cfg,
                     targets,
                     rank=exchange.rank,
                     device=device,
                     target_shards=exchange.target_shards(),
                     exchange=exchange,
+                    preflight=preflight,
                 )
             _readers[id(model)] = reader
         return reader
@@ -112,7 +139,11 @@ def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
 
 
 def close_all() -> None:
+    global _responder
     with _lock:
         for reader in _readers.values():
             reader.close()
         _readers.clear()
+        if _responder is not None:
+            _responder.stop()
+            _responder = None

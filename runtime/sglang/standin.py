@@ -235,6 +235,14 @@ def import_loader(path: str) -> Callable[[nn.Module, Any], None]:
     return getattr(importlib.import_module(module), name)
 
 
+def start_loader_preflight(path: str) -> None:
+    """What a real deployment's worker module does at worker start: the loader module's IPC preflight
+    responder (colocated/preflight.py), when it has one."""
+    start = getattr(importlib.import_module(path.rpartition(".")[0]), "start_preflight", None)
+    if start is not None:
+        start()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -250,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         {path: import_loader(path) for path in args.custom_weight_loader},
         json.loads(args.faults),
     )
+    for path in args.custom_weight_loader:
+        start_loader_preflight(path)
     server = serve(state, args.host, args.port)
     log.info("SGLang stand-in on %s:%d", *server.server_address[:2])
     threading.Event().wait()
