@@ -1,4 +1,5 @@
-"""GPU path: two processes on one GPU with real CUDA IPC (skipped where there is no CUDA).
+"""GPU path: two processes on one GPU with real CUDA IPC (skipped where there is no CUDA), including the IPC
+preflight (a pass, and a GPU UUID the SGLang side cannot see).
 
 Run on an H200 with `bash bench/colocated_device.sh test` (the script says how to prepare and carry it).
 """
@@ -14,8 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.wiring import new_writer
+from colocate_runtime.colocated.ipc import CudaIpcExporter
+from colocate_runtime.colocated.preflight import PreflightFailed
+from colocate_runtime.colocated.wiring import connect, new_writer
+from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
 from tests.runtime import colocated_model as model
 from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
@@ -129,3 +134,66 @@ def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(TransportError, match="expandable segments"):
         CudaIpcExporter(0)
+
+
+# --- IPC preflight: the trainer here, the SGLang side's responder in another process on the same GPU -----
+
+
+def spawn_responder(env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.runtime.preflight_procs", "responder", "--seconds", "240"],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def preflight_env(env: dict[str, str]) -> dict[str, str]:
+    return {**env, "COLOCATE_IPC_PREFLIGHT": "Fail", "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS": "90"}
+
+
+def test_ipc_preflight_passes_between_two_processes_on_one_gpu(env: dict[str, str], tmp_path: Path) -> None:
+    torch.cuda.set_device(0)
+    env = preflight_env(env)
+    responder = spawn_responder(env, tmp_path / "responder.log")
+    try:
+        base = torch.cuda.memory_allocated()
+        writer = new_writer(ColocateConfig.from_env(env), device=0)  # Fail mode: raises unless it passed
+        assert writer.preflight_passed
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= base  # the pattern buffer was freed after the verdict
+        events = [e for _, e in writer.store.read_events() if e.phase == "preflight" and e.result]
+        assert {(e.role, e.result, e.reason) for e in events} == {
+            ("trainer", "ok", ev.PREFLIGHT_PASSED),
+            ("reader", "ok", ev.PREFLIGHT_PASSED),
+        }
+        writer.close()
+    finally:
+        responder.kill()
+        responder.wait()
+
+
+def test_ipc_preflight_with_a_gpu_the_sglang_side_cannot_see(env: dict[str, str], tmp_path: Path) -> None:
+    class ForeignGpu(CudaIpcExporter):
+        """Memory on the real GPU, announced under a UUID no GPU here has (containers given other GPUs)."""
+
+        def device_uuid(self) -> str:
+            return "GPU-00000000-0000-0000-0000-000000000000"
+
+    torch.cuda.set_device(0)
+    env = preflight_env(env)
+    cfg = ColocateConfig.from_env(env)
+    responder = spawn_responder(env, tmp_path / "responder.log")
+    writer = WeightWriter(connect(cfg), ForeignGpu(0), WriterSettings.from_config(cfg))
+    try:
+        with pytest.raises(PreflightFailed) as failed:
+            writer.start()
+        assert failed.value.reason == ev.DEVICE_UUID_MISMATCH
+        assert "GPU-00000000" in failed.value.message
+    finally:
+        writer.close()
+        responder.kill()
+        responder.wait()
