@@ -77,6 +77,7 @@ class Cond:
     # Written by the step-event consumer (weight-sync issue), never by the reconciler:
     WEIGHT_SYNC_HEALTHY: Final = "WeightSyncHealthy"
     PROGRESSING: Final = "Progressing"
+    IPC_READY: Final = "IPCReady"  # every GPU passed the runtime's IPC preflight
 
     RECONCILED: Final = (
         META_STORE_READY,
@@ -87,7 +88,7 @@ class Cond:
         SUCCEEDED,
         FAILED,
     )
-    ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING)
+    ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING, IPC_READY)
 
 
 class Reason:
@@ -125,6 +126,16 @@ class Reason:
     DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
     FINAL_STEP_RECORDED: Final = "FinalStepRecorded"
     NOT_FINISHED: Final = "NotFinished"
+    IPC_PREFLIGHT_FAILED: Final = "IPCPreflightFailed"  # spec.weightSync.ipcPreflight.mode Fail
+    # IPCReady (written by the step-event consumer; the failure reasons are the runtime's, events.py)
+    PREFLIGHT_PASSED: Final = "PreflightPassed"
+    PREFLIGHT_PENDING: Final = "PreflightPending"
+    SHM_NOT_SHARED: Final = "ShmNotShared"
+    DEVICE_UUID_MISMATCH: Final = "DeviceUUIDMismatch"
+    OPEN_MEM_HANDLE_FAILED: Final = "OpenMemHandleFailed"
+    PATTERN_MISMATCH: Final = "PatternMismatch"
+    PID_NAMESPACE_NOT_SHARED: Final = "PIDNamespaceNotShared"
+    PEER_TIMEOUT: Final = "PeerTimeout"
 
     # Events only.
     CREATED_META_STORE: Final = "CreatedMetaStore"
@@ -137,3 +148,16 @@ class Reason:
     JOB_FAILED: Final = "JobFailed"
     JOB_SUCCEEDED: Final = "JobSucceeded"
     TTL_EXPIRED: Final = "TTLExpired"
+
+
+# IPCReady=False with one of these is a failure (Fail mode fails the job on it); PreflightPending is not.
+IPC_PREFLIGHT_FAILURES: Final = frozenset(
+    {
+        Reason.SHM_NOT_SHARED,
+        Reason.DEVICE_UUID_MISMATCH,
+        Reason.OPEN_MEM_HANDLE_FAILED,
+        Reason.PATTERN_MISMATCH,
+        Reason.PID_NAMESPACE_NOT_SHARED,
+        Reason.PEER_TIMEOUT,
+    }
+)

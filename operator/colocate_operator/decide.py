@@ -17,7 +17,7 @@ from typing import Any
 from colocate_operator import conditions, gpus, metastore, names, pods
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import Cond, Phase, Reason
+from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
 from colocate_operator.observed import ClaimState, Observed, PodState, child_key
 from colocate_operator.spec import ColocateJob
 
@@ -176,6 +176,9 @@ def decide(
             f"the job ran longer than spec.runPolicy.activeDeadlineSeconds={deadline}",
             creates,
         )
+    ipc_failure = ipc_preflight_failure(job, status)
+    if ipc_failure is not None:
+        return _fail(p, new, Reason.IPC_PREFLIGHT_FAILED, ipc_failure, creates)
     p.condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED)
     if phase == Phase.SUSPENDED:
         p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
@@ -258,6 +261,17 @@ def decide(
     if deadline and start:  # wake up when the deadline passes, not at the next resync
         requeue = _min_delay(requeue, (start + timedelta(seconds=deadline) - now).total_seconds())
     return _plan(p, new, creates=creates, deletes=deletes, requeue_after=requeue)
+
+
+def ipc_preflight_failure(job: ColocateJob, status: dict[str, Any]) -> str | None:
+    """Why a job whose spec says `ipcPreflight.mode: Fail` fails: IPCReady (written by the step consumer) is
+    False with a failure reason. Pending (PreflightPending) is no failure; Wait and Off never fail here."""
+    if job.spec.weight_sync.ipc_preflight.mode != "Fail":
+        return None
+    found = conditions.find(status.get("conditions") or [], Cond.IPC_READY)
+    if not found or found.get("status") != "False" or found.get("reason") not in IPC_PREFLIGHT_FAILURES:
+        return None
+    return f"IPC preflight failed ({found.get('reason')}): {found.get('message') or 'no detail'}"
 
 
 def _group_failure(

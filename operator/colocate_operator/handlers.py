@@ -1,7 +1,8 @@
 """kopf wiring, deliberately thin: every trigger just asks the Reconciler for a pass over one job.
 
 Triggers: resume (operator start), create, spec update, watch events of the job's pods and Redis Deployment
-(prompt reaction to failures and readiness), and a periodic resync of every known job (the level-based
+(prompt reaction to failures and readiness), a job whose IPC preflight failed in Fail mode (IPCReady is
+written by the step consumer), and a periodic resync of every known job (the level-based
 safety net; one operator-wide thread, see Reconciler.resync_forever). No handler needs a finalizer, so
 deleting a job never waits for the operator: garbage collection removes the children.
 All handlers are sync functions: kopf runs them in its thread pool, so the blocking HTTP client never
@@ -29,9 +30,12 @@ from colocate_operator.constants import (
     OPERATOR_NAME,
     PLURAL,
     VERSION,
+    Phase,
 )
+from colocate_operator.decide import ipc_preflight_failure
 from colocate_operator.kube import Kube
 from colocate_operator.reconciler import Reconciler
+from colocate_operator.spec import ColocateJob
 
 JOB = (GROUP, VERSION, PLURAL)
 _ROUTINE = re.compile(r"^Handler '(pod|metastore)' succeeded\.$")
@@ -101,6 +105,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
     )
     def metastore_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
         memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
+
+    @kopf.on.event(*JOB, id="ipc-preflight", registry=registry)
+    def ipc_preflight_changed(
+        event: dict[str, Any], body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any
+    ) -> None:
+        # IPCReady is written by the step consumer, not through the spec: in Fail mode, fail the job at once
+        # rather than at the next resync.
+        status = dict(body.get("status") or {})
+        if (
+            event.get("type") == "DELETED"
+            or status.get("phase") in Phase.TERMINAL
+            or "reconciler" not in memo
+        ):
+            return
+        job = ColocateJob.from_body(dict(body))
+        if ipc_preflight_failure(job, status) is not None:
+            memo.reconciler.reconcile(namespace, name)
 
     stepwatch.register(registry, config)
 

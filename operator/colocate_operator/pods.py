@@ -79,6 +79,8 @@ def contract_env(
         ("COLOCATE_STEP_TIMEOUT_SECONDS", spec.weight_sync.step_timeout_seconds),
         ("COLOCATE_TRANSPORT", spec.weight_sync.transport),
         ("COLOCATE_VERIFY", spec.weight_sync.verify),
+        ("COLOCATE_IPC_PREFLIGHT", spec.weight_sync.ipc_preflight.mode),
+        ("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", spec.weight_sync.ipc_preflight.timeout_seconds),
         ("COLOCATE_TRAIN_TP", train.tensor),
         ("COLOCATE_TRAIN_PP", train.pipeline),
         ("COLOCATE_TRAIN_EP", train.expert),

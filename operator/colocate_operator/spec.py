@@ -60,6 +60,11 @@ class ContainerSpec(_Model):
     port: int | None = None
 
 
+class IpcPreflightSpec(_Model):
+    mode: Literal["Wait", "Fail", "Off"] = "Wait"
+    timeout_seconds: int = 60
+
+
 class WeightSyncSpec(_Model):
     transport: Literal["CudaIPC", "NCCL"] = "CudaIPC"
     bucket_mb: int = Field(512, alias="bucketMB")
@@ -67,6 +72,7 @@ class WeightSyncSpec(_Model):
     progress_deadline_seconds: int = 3600
     verify: Literal["None", "SampledChecksum"] = "None"
     history_limit: int = 10
+    ipc_preflight: IpcPreflightSpec = IpcPreflightSpec()
 
 
 class SecretKeyRef(_Model):

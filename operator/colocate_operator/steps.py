@@ -5,6 +5,10 @@ A step is complete when every trainer GPU of the job reported `finished` with `r
 trainer process starts its own incarnation (`gen`), so incarnations are compared per GPU: events of an older
 incarnation on the same GPU are stale, and a newer one drops that GPU's half-finished steps. Success of the
 whole job needs the trainer's `final` record, never exit codes alone.
+
+The trainers' `preflight` events (the runtime's IPC preflight, one per GPU and incarnation) make the IPCReady
+condition: True once every GPU of the job passed in its newest incarnation, False with a failing GPU's
+reason, else False/PreflightPending. Jobs whose runtime runs no preflight get no IPCReady condition.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from colocate_operator.conditions import Condition
-from colocate_operator.constants import Cond
+from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
 from colocate_runtime.colocated.events import StepEvent
 
 # What `kubectl get` shows while a step moves through the runtime (status.weightSync.currentPhase).
@@ -28,6 +32,7 @@ PHASE_NAMES = {
     "finished": "Rollout",
     "failed": "Failed",
     "final": "Done",
+    "preflight": "Preflight",
 }
 
 
@@ -59,6 +64,17 @@ class StepRecord:
         return record
 
 
+@dataclass(frozen=True)
+class PreflightOutcome:
+    """The newest preflight news of one GPU: an attempt running (result ""), passed or failed."""
+
+    gen: int
+    result: str
+    reason: str = ""
+    message: str = ""
+    ts: float = 0.0
+
+
 @dataclass
 class StepTracker:
     """One job's weight-sync progress. `observe` returns True when the event crossed a step boundary, i.e.
@@ -78,6 +94,8 @@ class StepTracker:
     _gens: dict[str, int] = field(default_factory=dict)  # GPU -> newest trainer incarnation seen
     _pending: dict[int, dict[str, StepEvent]] = field(default_factory=dict)
     _failed_steps: set[int] = field(default_factory=set)
+    _preflight: dict[str, PreflightOutcome] = field(default_factory=dict)  # GPU -> newest preflight news
+    _ipc_key: tuple[bool, str] | None = None  # IPCReady (status, reason) after the last preflight event
 
     def observe(self, event: StepEvent) -> bool:
         gpu = event.gpu or f"rank-{event.rank}"
@@ -91,6 +109,8 @@ class StepTracker:
         self.current_phase = PHASE_NAMES.get(event.phase, event.phase)
         if event.role != "trainer":
             return False
+        if event.phase == "preflight":
+            return self._preflight_event(gpu, event)
         if event.phase == "final":  # one trainer rank's failure fails the run; success needs no failure
             if event.result != "ok":
                 self.final_result = "Failed"
@@ -142,6 +162,47 @@ class StepTracker:
         self._remember(record)
         return True
 
+    def _preflight_event(self, gpu: str, event: StepEvent) -> bool:
+        """True when IPCReady's status or reason changed (a status write is due)."""
+        if event.result not in ("", "ok", "error") or (
+            event.result == "error" and event.reason not in IPC_PREFLIGHT_FAILURES
+        ):
+            return False  # not the preflight contract (events.py)
+        old = self._preflight.get(gpu)
+        if event.result == "" and old is not None and old.gen == event.gen and old.result == "error":
+            # A Wait-mode retry: the failure it retries stands until an attempt passes.
+            outcome = PreflightOutcome(old.gen, old.result, old.reason, old.message, event.ts)
+        else:
+            outcome = PreflightOutcome(event.gen, event.result, event.reason, event.error, event.ts)
+        self._preflight[gpu] = outcome
+        # Against what the previous preflight event left (`observe` already moved this GPU's incarnation).
+        before, self._ipc_key = self._ipc_key, _key(self.ipc_ready())
+        return self._ipc_key != before
+
+    def ipc_ready(self) -> Condition | None:
+        """IPCReady over the GPUs that reported most recently (a rescheduled pod's old GPUs fall out once
+        its new ones report); None until a preflight event was seen."""
+        if not self._preflight:
+            return None
+        current = {gpu: o for gpu, o in self._preflight.items() if o.gen == self._gens.get(gpu, o.gen)}
+        newest = sorted(current.items(), key=lambda item: item[1].ts, reverse=True)[: self.expected_gpus]
+        failed = sorted((gpu, o) for gpu, o in newest if o.result == "error")
+        if failed:
+            gpu, o = failed[0]
+            more = f" ({len(failed)} GPUs failing)" if len(failed) > 1 else ""
+            return Condition(Cond.IPC_READY, False, o.reason, f"GPU {gpu}: {o.message}{more}")
+        passed = sum(1 for _, o in newest if o.result == "ok")
+        if passed >= self.expected_gpus:
+            return Condition(
+                Cond.IPC_READY, True, Reason.PREFLIGHT_PASSED, f"all {passed} GPUs passed the IPC preflight"
+            )
+        return Condition(
+            Cond.IPC_READY,
+            False,
+            Reason.PREFLIGHT_PENDING,
+            f"{passed}/{self.expected_gpus} GPUs passed the IPC preflight",
+        )
+
     def _remember(self, record: StepRecord) -> None:
         self.recent.append(record)
         del self.recent[: max(0, len(self.recent) - self.history_limit)]
@@ -169,14 +230,21 @@ class StepTracker:
         return [r.to_status() for r in self.recent]
 
 
+def _key(condition: Condition | None) -> tuple[bool, str] | None:
+    return None if condition is None else (condition.status, condition.reason)
+
+
 def _version_key(version: str) -> tuple[int, int, str]:
     """Numeric versions compare as numbers, others as text."""
     return (1, int(version), "") if version.isdigit() else (0, 0, version)
 
 
 def step_conditions(tracker: StepTracker, stalled: bool, deadline_seconds: float) -> list[Condition]:
-    """WeightSyncHealthy and Progressing: the two conditions the step consumer owns."""
+    """WeightSyncHealthy, Progressing and IPCReady: the conditions the step consumer owns."""
     updates: list[Condition] = []
+    ipc = tracker.ipc_ready()
+    if ipc is not None:
+        updates.append(ipc)
     if tracker.last_failure is not None:
         failure = tracker.last_failure
         updates.append(

@@ -41,6 +41,8 @@ CONTRACT = {
     "COLOCATE_INFER_DP",
     "COLOCATE_INFER_EP",
     "COLOCATE_MODEL_ARCH",
+    "COLOCATE_IPC_PREFLIGHT",
+    "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS",
 }
 
 
@@ -74,6 +76,15 @@ def test_pod_layout_same_gpus_shared_shm_and_pid_namespace() -> None:
     assert anti["topologyKey"] == "kubernetes.io/hostname"
 
 
+def test_ipc_preflight_waits_by_default_in_both_containers() -> None:
+    for container in build_pod(factories.job())["spec"]["containers"]:
+        env = env_of(container)
+        assert (env["COLOCATE_IPC_PREFLIGHT"], env["COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS"]) == (
+            "Wait",
+            "60",
+        )
+
+
 def test_env_contract_in_both_containers() -> None:
     job = factories.job(
         name="rl",
@@ -84,7 +95,12 @@ def test_env_contract_in_both_containers() -> None:
             "train": {"tensor": 4, "pipeline": 2, "expert": 2, "context": 1},
             "inference": {"tensor": 8, "data": 4, "expert": 8},
         },
-        weightSync={"bucketMB": 256, "stepTimeoutSeconds": 120, "transport": "NCCL"},
+        weightSync={
+            "bucketMB": 256,
+            "stepTimeoutSeconds": 120,
+            "transport": "NCCL",
+            "ipcPreflight": {"mode": "Fail", "timeoutSeconds": 30},
+        },
         model={"arch": "qwen3_moe"},
     )
     pod = build_pod(job, index=3, restart=1)
@@ -110,6 +126,8 @@ def test_env_contract_in_both_containers() -> None:
         "COLOCATE_INFER_EP": "8",
         "COLOCATE_MODEL_ARCH": "qwen3_moe",
         "COLOCATE_RESTART_COUNT": "1",
+        "COLOCATE_IPC_PREFLIGHT": "Fail",
+        "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS": "30",
     }
     for env in (trainer, rollout):
         assert {k: env[k] for k in expected} == expected

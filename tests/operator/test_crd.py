@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from colocate_operator.constants import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, Phase
+from colocate_operator.constants import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, Cond, Phase
 from colocate_operator.spec import ColocateJobSpec
 from tests.operator import factories
 
@@ -119,3 +119,15 @@ def test_model_defaults_match_the_crd(version: dict[str, Any]) -> None:
         assert value == default, f"spec.{'.'.join(path)}: model {value!r} != CRD {default!r}"
         checked += 1
     assert checked >= 20
+
+
+def test_ipc_preflight_field_and_condition(version: dict[str, Any]) -> None:
+    schema = version["schema"]["openAPIV3Schema"]["properties"]
+    preflight = schema["spec"]["properties"]["weightSync"]["properties"]["ipcPreflight"]
+    assert preflight["default"] == {}
+    assert preflight["properties"]["mode"]["enum"] == ["Wait", "Fail", "Off"]  # "Off" quoted: not YAML false
+    assert preflight["properties"]["mode"]["default"] == "Wait"
+    assert preflight["properties"]["timeoutSeconds"]["default"] == 60
+    assert "IPCReady" in schema["status"]["properties"]["conditions"]["description"]
+    assert Cond.IPC_READY in Cond.ALL and Cond.IPC_READY not in Cond.RECONCILED
+    assert len(Cond.ALL) <= schema["status"]["properties"]["conditions"]["maxItems"]

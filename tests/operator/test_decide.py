@@ -536,3 +536,45 @@ def test_status_patch_touches_only_owned_keys() -> None:
     current = {"phase": Phase.PENDING, "weightSync": {"lastCompletedStep": 4}, "recentSteps": [{"step": 4}]}
     patch = status_patch(current, {"phase": Phase.RUNNING, "restarts": 0})
     assert patch == {"phase": Phase.RUNNING, "restarts": 0}
+
+
+def ipc_status(status: bool, reason: str) -> dict[str, Any]:
+    return running_status(
+        conditions=[
+            {
+                "type": Cond.IPC_READY,
+                "status": "True" if status else "False",
+                "reason": reason,
+                "message": "GPU GPU-1: the trainer's probe file is not in /dev/shm here",
+            }
+        ]
+    )
+
+
+def test_fail_mode_fails_the_job_when_the_ipc_preflight_failed() -> None:
+    job = factories.job(weightSync={"ipcPreflight": {"mode": "Fail"}})
+    plan = run(ipc_status(False, Reason.SHM_NOT_SHARED), running_observed(), job)
+    assert plan.status["phase"] == Phase.FAILED and plan.persist_first
+    failed = cond(plan, Cond.FAILED)
+    assert failed["reason"] == Reason.IPC_PREFLIGHT_FAILED
+    assert "ShmNotShared" in failed["message"] and "/dev/shm" in failed["message"]
+    assert cond(plan, Cond.IPC_READY)["reason"] == Reason.SHM_NOT_SHARED  # the step consumer's, untouched
+    assert Reason.JOB_FAILED in reasons(plan)
+    assert {d.name for d in plan.deletes} == {"demo-0", "demo-1"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "reason"),
+    [
+        ("Fail", False, Reason.PREFLIGHT_PENDING),  # still waiting for an answer: not a failure
+        ("Fail", True, Reason.PREFLIGHT_PASSED),
+        ("Wait", False, Reason.PEER_TIMEOUT),  # Wait mode reports and keeps waiting
+        ("Off", False, Reason.DEVICE_UUID_MISMATCH),
+    ],
+)
+def test_ipc_preflight_fails_the_job_only_in_fail_mode_on_a_failure(
+    mode: str, status: bool, reason: str
+) -> None:
+    job = factories.job(weightSync={"ipcPreflight": {"mode": mode}})
+    plan = run(ipc_status(status, reason), running_observed(), job)
+    assert plan.status["phase"] == Phase.RUNNING

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from colocate_operator.steps import StepTracker
+from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
+from colocate_operator.steps import StepTracker, step_conditions
+from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.events import StepEvent
 
 
@@ -127,3 +129,82 @@ def test_numeric_weight_versions_compare_as_numbers() -> None:
     tracker.observe(finished(1, "a", version="9"))
     tracker.observe(finished(1, "b", version="10"))
     assert tracker.weight_version == "10"
+
+
+def preflight(gpu: str, result: str, reason: str = "", *, gen: int = 1, ts: float = 1000.0) -> StepEvent:
+    return StepEvent(
+        role="trainer",
+        gen=gen,
+        step=0,
+        phase="preflight",
+        result=result,
+        reason=reason,
+        gpu=gpu,
+        error="" if result != "error" else f"{reason} detail",
+        ts=ts,
+    )
+
+
+def ipc(tracker: StepTracker) -> tuple[bool, str, str] | None:
+    found = next((c for c in step_conditions(tracker, False, 60) if c.type == Cond.IPC_READY), None)
+    return None if found is None else (found.status, found.reason, found.message)
+
+
+def test_ipc_ready_needs_every_gpu_to_pass_in_its_newest_incarnation() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    assert ipc(tracker) is None  # no preflight events (mode Off): no condition at all
+    assert tracker.observe(preflight("GPU-a", "")) is True
+    assert ipc(tracker) == (False, Reason.PREFLIGHT_PENDING, "0/2 GPUs passed the IPC preflight")
+    assert tracker.weight_sync_status()["currentPhase"] == "Preflight"
+    assert tracker.observe(preflight("GPU-a", "ok", ev.PREFLIGHT_PASSED)) is False  # still pending: no write
+    assert ipc(tracker) == (False, Reason.PREFLIGHT_PENDING, "1/2 GPUs passed the IPC preflight")
+    assert tracker.observe(preflight("GPU-b", "ok", ev.PREFLIGHT_PASSED)) is True
+    assert ipc(tracker) == (True, Reason.PREFLIGHT_PASSED, "all 2 GPUs passed the IPC preflight")
+    # GPU-b's trainer restarted: its new incarnation has to pass again; the old one's leftovers do not count.
+    assert tracker.observe(preflight("GPU-b", "", gen=2, ts=1010.0)) is True
+    assert ipc(tracker)[1] == Reason.PREFLIGHT_PENDING
+    assert tracker.observe(preflight("GPU-b", "ok", ev.PREFLIGHT_PASSED, gen=1, ts=1011.0)) is False
+    assert tracker.observe(preflight("GPU-b", "ok", ev.PREFLIGHT_PASSED, gen=2, ts=1012.0)) is True
+    assert ipc(tracker)[0] is True
+
+
+def test_ipc_failure_names_the_gpu_and_survives_wait_mode_retries_until_a_pass() -> None:
+    tracker = StepTracker(expected_gpus=2)
+    tracker.observe(preflight("GPU-a", "ok", ev.PREFLIGHT_PASSED))
+    assert tracker.observe(preflight("GPU-b", "error", ev.SHM_NOT_SHARED)) is True
+    assert ipc(tracker) == (False, Reason.SHM_NOT_SHARED, "GPU GPU-b: ShmNotShared detail")
+    for ts in (1005.0, 1010.0):  # the next attempts start and fail the same way: nothing to write
+        assert tracker.observe(preflight("GPU-b", "", ts=ts)) is False
+        assert tracker.observe(preflight("GPU-b", "error", ev.SHM_NOT_SHARED, ts=ts)) is False
+        assert ipc(tracker)[1] == Reason.SHM_NOT_SHARED
+    assert tracker.observe(preflight("GPU-b", "error", ev.PEER_TIMEOUT, ts=1020.0)) is True  # reason changed
+    assert tracker.observe(preflight("GPU-b", "ok", ev.PREFLIGHT_PASSED, ts=1030.0)) is True
+    assert ipc(tracker)[:2] == (True, Reason.PREFLIGHT_PASSED)
+
+
+def test_ipc_ready_follows_the_gpus_that_reported_last() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    tracker.observe(preflight("GPU-old", "error", ev.DEVICE_UUID_MISMATCH, ts=1000.0))
+    assert ipc(tracker)[1] == Reason.DEVICE_UUID_MISMATCH
+    # The group was recreated on another GPU: its report replaces the old GPU's.
+    assert tracker.observe(preflight("GPU-new", "ok", ev.PREFLIGHT_PASSED, ts=2000.0)) is True
+    assert ipc(tracker)[:2] == (True, Reason.PREFLIGHT_PASSED)
+
+
+def test_preflight_events_outside_the_contract_are_ignored() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    assert tracker.observe(preflight("GPU-a", "timeout")) is False
+    assert tracker.observe(preflight("GPU-a", "error", "")) is False  # a failure must say why
+    reader = StepEvent(
+        role="reader", gen=1, step=0, phase="preflight", result="error", reason=ev.SHM_NOT_SHARED
+    )
+    assert tracker.observe(reader) is False  # the trainer's record counts, the reader's is detail
+    assert ipc(tracker) is None
+
+
+def test_operator_reasons_are_the_runtime_reasons() -> None:
+    assert set(ev.PREFLIGHT_FAILURES) == IPC_PREFLIGHT_FAILURES
+    assert ev.PREFLIGHT_PASSED == Reason.PREFLIGHT_PASSED
+    assert {getattr(Reason, n) for n in dir(Reason) if getattr(Reason, n) in ev.PREFLIGHT_REASONS} == set(
+        ev.PREFLIGHT_REASONS
+    )
