@@ -38,11 +38,11 @@ from colocate_operator.reconciler import Reconciler
 from colocate_operator.spec import ColocateJob
 
 JOB = (GROUP, VERSION, PLURAL)
-_ROUTINE = re.compile(r"^Handler '(pod|metastore)' succeeded\.$")
+_ROUTINE = re.compile(r"^Handler '(pod|metastore|ipc-preflight)' succeeded\.$")
 
 
 class _DropRoutineSuccess(logging.Filter):
-    """kopf logs every watched pod event as "succeeded" at INFO; with many jobs that is noise."""
+    """kopf logs every watched pod (and job) event as "succeeded" at INFO; with many jobs that is noise."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO and _ROUTINE.match(str(record.msg)))
