@@ -6,6 +6,9 @@ passed, so the reader's first step cannot be what answers it), waking at least o
 reads the pod's preflight index: an offer on this process's GPU is opened, verified and closed with the
 same importer and forced close as real steps; an offer for a GPU no GPU of this container has is answered
 `DeviceUUIDMismatch`; offers on the container's other GPUs are left to the processes serving them.
+
+The mismatch answer waits a short grace and claims the attempt first: a process that sees fewer GPUs than
+its container (a narrowed CUDA_VISIBLE_DEVICES) must not pre-empt the process that serves the GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from colocate_runtime.colocated.waits import WAKE_S, Deadline
 log = logging.getLogger(__name__)
 
 _REMEMBERED = 256  # answered (gpu, gen, attempt) kept to skip them on later passes
+MISMATCH_GRACE_S = 5.0  # an offer for an unseen GPU is answered only after this long (or a quarter timeout)
 
 
 class PreflightResponder:
@@ -67,6 +71,7 @@ class PreflightResponder:
         self.uuid = importer.device_uuid()
         self._me = json.dumps({"pid": os.getpid(), "host": host_id(), "gpu": self.uuid})
         self._done: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        self._foreign: dict[tuple[str, int, int], float] = {}  # unseen GPU's offer -> when first seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -109,12 +114,19 @@ class PreflightResponder:
         """Wait at most `timeout_s` for an offer on this GPU, then answer every new offer of the pod."""
         self.store.wait_preflight_offer(self.uuid, timeout_s)
         answered = []
-        for gpu, (gen, attempt) in sorted(self.store.preflight_offers(self.replica).items()):
+        offers = self.store.preflight_offers(self.replica)
+        self._foreign = {k: t for k, t in self._foreign.items() if offers.get(k[0]) == k[1:]}
+        for gpu, (gen, attempt) in sorted(offers.items()):
             key = (gpu, gen, attempt)
             if key in self._done:
                 continue
+            if gpu != self.uuid and self.visible is not None and gpu not in self.visible:
+                first = self._foreign.setdefault(key, time.monotonic())
+                if time.monotonic() - first < min(MISMATCH_GRACE_S, self.settings.timeout_s / 4):
+                    continue  # give the process serving that GPU, if any, time to claim it
             verdict = self._answer(gpu, gen, attempt)
             self._done[key] = None
+            self._foreign.pop(key, None)
             while len(self._done) > _REMEMBERED:
                 self._done.popitem(last=False)
             if verdict is not None:
@@ -133,6 +145,8 @@ class PreflightResponder:
         if current is not None and gen < current:
             return None  # an older incarnation's offer
         t0 = time.perf_counter()
+        if self.store.claim_preflight(gen, attempt, gpu, self._me) != self._me:
+            return None  # the trainer gave up on it first, or the process serving that GPU claimed it
         if gpu != self.uuid:
             verdict = self._verdict(
                 False,
@@ -142,8 +156,6 @@ class PreflightResponder:
                 t0,
             )
             return self._report(gpu, gen, attempt, verdict, None)
-        if self.store.claim_preflight(gen, attempt, gpu, self._me) != self._me:
-            return None  # the trainer gave up on it first (or another process of this GPU answers)
         offer: Offer | None = None
         try:
             offer = decode_offer(blob, gen=gen, attempt=attempt, gpu=gpu)

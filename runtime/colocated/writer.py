@@ -225,6 +225,8 @@ class WeightWriter:
             raise ValueError(f"step {step} is not after the last published step {self.last_step}")
         if self.settings.preflight.enabled and not self.preflight_passed:
             self.preflight()  # raises rather than publish to a reader side that cannot open it
+        if self._preflight is not None and self._preflight.parked:
+            self._preflight.reap()
         self._reap_parked()
         t0 = time.perf_counter()
         shards = shards or {}

@@ -334,6 +334,17 @@ def test_device_uuid_mismatch_when_no_visible_gpu_has_the_trainers_uuid(
     writer.close()
 
 
+def test_a_worker_that_sees_fewer_gpus_does_not_pre_empt_the_trainers_gpu(
+    cfg: ColocateConfig, responder_on
+) -> None:
+    responder_on(uuid="GPU-other", visible=frozenset({"GPU-other"}))  # a narrowed CUDA_VISIBLE_DEVICES
+    responder_on()
+    writer = writer_for(cfg)
+    writer.start()
+    assert writer.preflight_passed
+    writer.close()
+
+
 class _Corrupting(SharedMemoryExporter):
     """Flips one byte after the pattern was written: what the reader maps is not what was exported."""
 
