@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from colocate_devcluster.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OperatorProcess:
