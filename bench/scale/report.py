@@ -57,8 +57,8 @@ def figures_table(results: list[dict[str, Any]]) -> str:
         "| jobs | operator | all pods Running (s) | all jobs up (s) | pods created p50 / p99 (s) "
         "| pods Running p50 / p99 (s) | API requests / job until up | requests / job in the settle window "
         "| status writes / job | idle requests / job / min | idle status writes / job / min "
-        "| operator CPU until up (s) | idle operator CPU (s / min) | peak RSS (MiB) | machine busy "
-        "| errors |\n|" + "---|" * 16 + "\n"
+        "| operator CPU until up (s) | idle operator CPU (s / min) | RSS with all jobs up (MiB) "
+        "| peak RSS (MiB) | machine busy | errors |\n|" + "---|" * 17 + "\n"
     )
     rows = []
     for r in sorted(results, key=lambda r: (r["jobs"], r["operator"])):
@@ -72,7 +72,8 @@ def figures_table(results: list[dict[str, Any]]) -> str:
             f"| {_f(req['steady_per_job_per_minute'])} "
             f"| {_f(req['status_writes_steady_per_job_per_minute'], 2)} "
             f"| {_f(r['operator_cpu_seconds']['startup'])} "
-            f"| {_f(r['operator_cpu_seconds']['steady'] / idle_minutes, 2)} | {_peak_mib(r):.0f} "
+            f"| {_f(r['operator_cpu_seconds']['steady'] / idle_minutes, 2)} "
+            f"| {r['operator_rss_bytes']['end'] / MiB:.0f} | {_peak_mib(r):.0f} "
             f"| {r['machine']['busy_fraction_startup']:.0%} | {_errors(r)} |"
         )
     return head + "\n".join(rows) + "\n"
@@ -151,7 +152,7 @@ def plot(results: list[dict[str, Any]], directory: Path) -> list[Path]:
             "API requests per job (creation until all jobs up)",
             lambda r: r["requests"]["startup_per_job"],
         ),
-        (axes[1][1], "operator peak resident memory (MiB)", _peak_mib),
+        (axes[1][1], "operator resident memory (MiB): peak, and with all jobs up (dotted)", _peak_mib),
     ]
     for ax, title, value in panels:
         for operator, rows in series.items():
@@ -169,6 +170,15 @@ def plot(results: list[dict[str, Any]], directory: Path) -> list[Path]:
             linestyle="--",
             color="gray",
             label="goal: 1.5 x KubeRay",
+        )
+    for index, (operator, rows) in enumerate(series.items()):
+        axes[1][1].plot(
+            [r["jobs"] for r in rows],
+            [r["operator_rss_bytes"]["end"] / MiB for r in rows],
+            linestyle=":",
+            marker=".",
+            color=f"C{index}",
+            label=f"{NAMES[operator]}, all jobs up (no step events yet)",
         )
     axes[1][1].axhline(300 * 1e6 / MiB, linestyle="--", color="gray", label="goal: 300 MB")
     for ax in (axes[0][0], axes[1][1], axes[0][1], axes[1][0]):
