@@ -34,7 +34,7 @@ from colocate_runtime.colocated.events import EventError, decode, stream_key
 log = logging.getLogger("colocate_operator.steps")
 
 READ_BLOCK_MS = 1000  # wake at least once a second: stop requests and stall checks are never late
-READ_COUNT = 1000
+READ_COUNT = 100  # entries per XREAD: bounds what a lagging follower holds decoded at once
 HEARTBEAT_SECONDS = 15.0  # a phase-only change waits at most this long to reach status
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
 MAX_BACKOFF = 30.0
