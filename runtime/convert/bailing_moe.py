@@ -18,7 +18,7 @@ from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.hf_config import head_dim, model_dtype, optional_dtype, require
 from colocate_runtime.convert.lightning import lightning_attention
 from colocate_runtime.convert.mlp import GatedMLP
-from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router
+from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router, shared_experts
 from colocate_runtime.convert.norms import layer_norms
 from colocate_runtime.convert.spec import ModelSpec, MoESpec
 
@@ -91,16 +91,7 @@ def layer(spec: ModelSpec, layer: int) -> list[Block]:
     blocks += [router(spec, mlp), RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp)]
     if moe.expert_bias:
         blocks.append(expert_bias(moe, f"{mlp}.gate.expert_bias"))
-    if moe.shared_intermediate_size:
-        blocks.append(
-            GatedMLP(
-                f"{mlp}.shared_experts",
-                "mlp.shared_experts",
-                spec.hidden_size,
-                moe.shared_intermediate_size,
-                spec.dtype,
-            )
-        )
+    blocks += shared_experts(spec, moe, mlp)
     return blocks
 
 

@@ -11,7 +11,7 @@ from colocate_runtime.convert.embedding import input_embedding, output_head
 from colocate_runtime.convert.hf_config import model_dtype, optional_dtype, require
 from colocate_runtime.convert.mla import MultiLatentAttention
 from colocate_runtime.convert.mlp import GatedMLP
-from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router
+from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router, shared_experts
 from colocate_runtime.convert.norms import layer_norms
 from colocate_runtime.convert.spec import MLASpec, ModelSpec, MoESpec
 
@@ -71,16 +71,7 @@ def layer(spec: ModelSpec, layer: int) -> list[Block]:
         expert_bias(moe, f"{mlp}.gate.e_score_correction_bias"),
         RoutedExperts(moe, spec.hidden_size, spec.dtype, mlp),
     ]
-    if moe.shared_intermediate_size:
-        blocks.append(
-            GatedMLP(
-                f"{mlp}.shared_experts",
-                "mlp.shared_experts",
-                spec.hidden_size,
-                moe.shared_intermediate_size,
-                spec.dtype,
-            )
-        )
+    blocks += shared_experts(spec, moe, mlp)
     return blocks
 
 

@@ -14,7 +14,7 @@ from colocate_runtime.convert.boxes import split_box
 from colocate_runtime.convert.direct import Direct
 from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.layout import Group, RankGroups
-from colocate_runtime.convert.mlp import first_half, second_half
+from colocate_runtime.convert.mlp import GatedMLP, first_half, second_half
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, Piece, Placement, SGLangParam
 from colocate_runtime.convert.spec import ModelSpec, MoESpec
 from colocate_runtime.shards import TensorShard
@@ -31,6 +31,21 @@ def expert_bias(moe: MoESpec, name: str) -> Direct:
     """Aux-loss-free routing bias: always fp32; in bf16 it rounds away the small updates that steer routing
     (the seed saw SGLang diverge at step 0). Megatron keeps it as a buffer, so pass buffers too."""
     return Direct(CanonicalTensor(name, (moe.num_experts,), "float32"), ("mlp.router.expert_bias",), name)
+
+
+def shared_experts(spec: ModelSpec, moe: MoESpec, mlp: str) -> list[GatedMLP]:
+    """The always-on experts beside the routed ones (DeepSeek-V3, Bailing): a gated MLP, when present."""
+    if not moe.shared_intermediate_size:
+        return []
+    return [
+        GatedMLP(
+            f"{mlp}.shared_experts",
+            "mlp.shared_experts",
+            spec.hidden_size,
+            moe.shared_intermediate_size,
+            spec.dtype,
+        )
+    ]
 
 
 def local_experts(name: str, num_experts: int, group: Group) -> range:
