@@ -13,8 +13,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    # Level-based reconcile: every job is compared with its children at least this often.
-    reconcile_interval_seconds: float = 30.0
+    # Level-based reconcile: every job is compared with all its children at least this often (watch
+    # events of the job, its pods and its meta-store trigger passes in between).
+    reconcile_interval_seconds: float = 120.0
+    # Threads running reconcile passes; a pass mostly waits on the API server.
+    reconcile_workers: int = 4
     # Used to build the FQDNs of the rendezvous and meta-store addresses handed to the pods.
     cluster_domain: str = "cluster.local"
     # Where the operator itself runs: the meta-store NetworkPolicy admits pods with these labels there.
@@ -45,6 +48,13 @@ class OperatorConfig:
                 if value < 0:
                     raise ConfigError(f"{var} must not be negative, got {value}")
                 kwargs[attr] = value
+        if env.get("COLOCATE_RECONCILE_WORKERS"):
+            workers = env["COLOCATE_RECONCILE_WORKERS"]
+            if not workers.isdigit() or not 1 <= int(workers) <= 64:
+                raise ConfigError(
+                    f"COLOCATE_RECONCILE_WORKERS must be a whole number from 1 to 64, got {workers!r}"
+                )
+            kwargs["reconcile_workers"] = int(workers)
         if env.get("COLOCATE_CLUSTER_DOMAIN"):
             kwargs["cluster_domain"] = env["COLOCATE_CLUSTER_DOMAIN"].strip(".")
         if env.get("COLOCATE_OPERATOR_NAMESPACE"):

@@ -1,12 +1,13 @@
-"""kopf wiring, deliberately thin: every trigger just asks the Reconciler for a pass over one job.
+"""kopf wiring, deliberately thin: every trigger only queues the job's key for the Reconciler's workers.
 
-Triggers: resume (operator start), create, spec update, watch events of the job's pods and Redis Deployment
-(prompt reaction to failures and readiness), a job whose IPC preflight failed in Fail mode (IPCReady is
-written by the step consumer), and a periodic resync of every known job (the level-based
-safety net; one operator-wide thread, see Reconciler.resync_forever). No handler needs a finalizer, so
-deleting a job never waits for the operator: garbage collection removes the children.
-All handlers are sync functions: kopf runs them in its thread pool, so the blocking HTTP client never
-stalls the event loop. They return None, so nothing lands in status.
+Triggers: watch events of the job (first sight, including the operator's start, and changes of its spec
+or labels), of its pods and of its Redis Deployment (only when something a decision reads changed: phase,
+readiness, scheduling, deletion), a job whose IPC preflight failed in Fail mode (IPCReady is written by the
+step consumer), and a periodic resync of every known job (the level-based safety net; one operator-wide
+thread, see Reconciler.resync_forever). The handlers are async and never wait on the API server, so a burst
+of pod events cannot occupy kopf's workers. Only event handlers: kopf writes nothing to the job (no
+progress annotations, no finalizer), so deleting a job never waits for the operator and a new job costs
+no extra patch.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ from colocate_operator.constants import (
     OPERATOR_NAME,
     PLURAL,
     VERSION,
+    Cond,
     Phase,
 )
 from colocate_operator.decide import ipc_preflight_failure
 from colocate_operator.kube import Kube
+from colocate_operator.marks import EventMarks
 from colocate_operator.reconciler import Reconciler
 from colocate_operator.spec import ColocateJob
 
 JOB = (GROUP, VERSION, PLURAL)
-_ROUTINE = re.compile(r"^Handler '(pod|metastore|ipc-preflight)' succeeded\.$")
+_ROUTINE = re.compile(r"^Handler '(job|pod|metastore|steps)' succeeded\.$")
 
 
 class _DropRoutineSuccess(logging.Filter):
@@ -57,33 +60,37 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         settings.posting.level = logging.WARNING
         settings.posting.loggers = False
         settings.posting.reporting_component = OPERATOR_NAME
-        # Handler progress in annotations under our prefix; status is ours and pruned by the schema anyway.
+        # Nothing is stored by kopf today (event handlers only); should that change, under our prefix.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=KOPF_PREFIX, key="last-handled-configuration"
         )
         settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: nothing requires one
-        settings.execution.max_workers = 16
         settings.networking.connect_timeout = 10
         logging.getLogger("kopf.objects").addFilter(_DropRoutineSuccess())
         memo.reconciler = Reconciler(kube or Kube.from_environment(), config)
-        memo.resync_stop = threading.Event()
+        memo.marks = EventMarks()
+        memo.stop = threading.Event()
+        memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
         threading.Thread(
             target=memo.reconciler.resync_forever,
             name="resync",
             daemon=True,
-            args=(config.reconcile_interval_seconds, memo.resync_stop),
+            args=(config.reconcile_interval_seconds, memo.stop),
         ).start()
 
-    @kopf.on.cleanup(id="stop-resync", registry=registry)
-    def stop_resync(memo: kopf.Memo, **_: Any) -> None:
-        memo.resync_stop.set()
+    @kopf.on.cleanup(id="stop-workers", registry=registry)
+    def stop_workers(memo: kopf.Memo, **_: Any) -> None:
+        memo.stop.set()
+        memo.reconciler.queue.close()
 
-    @kopf.on.resume(*JOB, id="resume", registry=registry)
-    @kopf.on.create(*JOB, id="create", registry=registry)
-    @kopf.on.update(*JOB, id="update", field="spec", registry=registry)
-    def reconcile_on_change(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.reconcile(namespace, name)
+    @kopf.on.event(*JOB, id="job", registry=registry)
+    async def job_event(event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        if "reconciler" not in memo:
+            return
+        body = event.get("object") or {}
+        if memo.marks.job_changed(event.get("type"), namespace, name, body) or _ipc_preflight_failed(body):
+            memo.reconciler.enqueue(namespace, name)
 
     @kopf.on.event(
         "v1",
@@ -92,8 +99,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_WORKER},
         registry=registry,
     )
-    def pod_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
+    async def pod_event(
+        event: dict[str, Any], labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any
+    ) -> None:
+        if "reconciler" in memo and memo.marks.pod_changed(event.get("type"), event.get("object") or {}):
+            memo.reconciler.enqueue(namespace, labels[LABEL_JOB])
 
     @kopf.on.event(
         "apps",
@@ -103,25 +113,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_METASTORE},
         registry=registry,
     )
-    def metastore_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        memo.reconciler.reconcile(namespace, labels[LABEL_JOB])
-
-    @kopf.on.event(*JOB, id="ipc-preflight", registry=registry)
-    def ipc_preflight_changed(
-        event: dict[str, Any], body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any
+    async def metastore_event(
+        event: dict[str, Any], labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any
     ) -> None:
-        # IPCReady is written by the step consumer, not through the spec: in Fail mode, fail the job at once
-        # rather than at the next resync.
-        status = dict(body.get("status") or {})
-        if (
-            event.get("type") == "DELETED"
-            or status.get("phase") in Phase.TERMINAL
-            or "reconciler" not in memo
-        ):
-            return
-        job = ColocateJob.from_body(dict(body))
-        if ipc_preflight_failure(job, status) is not None:
-            memo.reconciler.reconcile(namespace, name)
+        changed = "reconciler" in memo and memo.marks.metastore_changed(
+            event.get("type"), event.get("object") or {}
+        )
+        if changed:
+            memo.reconciler.enqueue(namespace, labels[LABEL_JOB])
 
     stepwatch.register(registry, config)
 
@@ -129,3 +128,14 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
     def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:
         stats = memo.reconciler.stats
         return {"passes": stats.passes, "errors": stats.errors, "lastPass": stats.last_pass}
+
+
+def _ipc_preflight_failed(body: dict[str, Any]) -> bool:
+    """IPCReady is written by the step consumer, not through the spec: in Fail mode, fail the job at once
+    rather than at the next resync. The cheap test first: most events carry no failed IPCReady."""
+    status = body.get("status") or {}
+    if status.get("phase") in Phase.TERMINAL or not any(
+        c.get("type") == Cond.IPC_READY and c.get("status") == "False" for c in status.get("conditions") or []
+    ):
+        return False
+    return ipc_preflight_failure(ColocateJob.from_body(body), status) is not None

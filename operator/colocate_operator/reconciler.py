@@ -1,10 +1,10 @@
 """Observe, decide, execute: the only module that reads the cluster on the job's behalf and changes it.
 
-Every pass reads the job and its children fresh from the API server (never from a cache that may lag
-behind our own last write), calls the pure `decide`, applies the plan and writes status in one merge patch
-guarded by the job's resourceVersion. Passes for one job never overlap: callers (kopf handlers, the resync
-thread, requeue timers) go through `reconcile`, which serialises per job and coalesces callers that arrive
-while a pass is already waiting.
+Every pass reads the job and its pods fresh from the API server (never from a cache that may lag behind our
+own last write), calls the pure `decide`, applies the plan and writes status in one merge patch guarded by
+the job's resourceVersion. Children that exist and facts that cannot change (`known.py`) are not read again
+until the resync interval has passed. Watch handlers, the resync thread and requeues only add the job's key
+to a deduplicating work queue; a fixed set of worker threads runs the passes, never two for one job at once.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,23 +23,20 @@ from colocate_operator import gpus, kube, kube_events, metrics, names
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND
 from colocate_operator.decide import EventSpec, Plan, decide, status_patch
+from colocate_operator.known import KnownFacts
 from colocate_operator.observed import ClaimState, Observed, PodState
 from colocate_operator.spec import ColocateJob
+from colocate_operator.workqueue import WorkQueue
 
 log = logging.getLogger("colocate_operator.reconciler")
 EVENT_REPEAT_SECONDS = 300.0  # a failure that persists is re-posted as an Event at most this often
+ERROR_RETRY_SECONDS = 5.0
+
+JobKey = tuple[str, str]  # (namespace, name)
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
-
-
-@dataclass
-class _Slot:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    waiting: bool = False
-    timer: threading.Timer | None = None
-    timer_due: float = 0.0
 
 
 @dataclass
@@ -58,71 +54,78 @@ class Reconciler:
         self.config = config
         self.clock = clock
         self.stats = Stats()
-        self._slots: dict[tuple[str, str], _Slot] = {}
-        self._slots_lock = threading.Lock()
+        self.queue: WorkQueue[JobKey] = WorkQueue()
+        self.known = KnownFacts(max_age=config.reconcile_interval_seconds)
+        self._uids: dict[JobKey, str] = {}  # jobs this process has seen, for the resync
+        self._jobs_lock = threading.Lock()
         self._instance = socket.gethostname()
         self._failure_events: dict[tuple[str, str, str, str, int], float] = {}
 
-    # Periodic resync -------------------------------------------------------------------------------------
+    # Entry points ----------------------------------------------------------------------------------------
 
-    def known_jobs(self) -> list[tuple[str, str]]:
-        with self._slots_lock:
-            return list(self._slots)
+    def enqueue(self, namespace: str, name: str) -> None:
+        """Ask for a pass over the job; returns at once (thread-safe, callable from the event loop)."""
+        self.queue.add((namespace, name))
 
-    def resync_forever(self, interval: float, stop: threading.Event, workers: int = 4) -> None:
-        """The level-based safety net: every `interval`, one pass over every job this process has seen.
+    def known_jobs(self) -> list[JobKey]:
+        with self._jobs_lock:
+            return list(self._uids)
+
+    def start_workers(self, count: int, stop: threading.Event) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=self._work, args=(stop,), name=f"reconcile-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _work(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            key = self.queue.get(timeout=1.0)  # wakes once a second to notice `stop`
+            if key is None:
+                continue
+            try:
+                self.reconcile(*key)
+            finally:
+                self.queue.done(key)
+
+    def resync_forever(self, interval: float, stop: threading.Event) -> None:
+        """The level-based safety net: every `interval`, every job this process has seen is queued.
 
         One thread for all jobs instead of kopf's per-object timers: those make kopf put a finalizer on
         every job, and a finalizer blocks deleting a job while the operator is down.
         """
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resync") as pool:
-            while not stop.wait(interval):
-                for key in self.known_jobs():
-                    pool.submit(self.reconcile, *key)
-
-    # Serialisation ---------------------------------------------------------------------------------------
+        while not stop.wait(interval):
+            for key in self.known_jobs():
+                self.enqueue(*key)
 
     def reconcile(self, namespace: str, name: str) -> None:
-        """Run one pass for the job, unless another caller is already queued to run one after the current."""
+        """One pass now, in the calling thread (workers call this; so do tests)."""
         key = (namespace, name)
-        with self._slots_lock:
-            slot = self._slots.setdefault(key, _Slot())
-            if slot.waiting:
-                return  # that queued pass will read everything this caller would have
-            slot.waiting = True
-        with slot.lock:
-            with self._slots_lock:
-                slot.waiting = False
-            try:
-                requeue = self._pass(namespace, name)
-            except Exception:
-                self.stats.errors += 1
-                metrics.RECONCILE_ERRORS.inc()
-                log.exception("reconcile failed", extra={"job": f"{namespace}/{name}"})
-                requeue = 5.0
-            self.stats.passes += 1
-            self.stats.last_pass = time.time()
+        try:
+            requeue = self._pass(namespace, name)
+        except Exception:
+            self.stats.errors += 1
+            metrics.RECONCILE_ERRORS.inc()
+            log.exception("reconcile failed", extra={"job": f"{namespace}/{name}"})
+            requeue = ERROR_RETRY_SECONDS
+        self.stats.passes += 1
+        self.stats.last_pass = time.time()
         if requeue is None:
             return
         if requeue < 0:  # the job is gone
-            with self._slots_lock:
-                if not slot.waiting and self._slots.get(key) is slot:
-                    del self._slots[key]
+            with self._jobs_lock:
+                uid = self._uids.pop(key, None)
+            if uid is not None:
+                self.known.forget(uid)
+            self.queue.forget(key)
             metrics.forget_job(namespace, name)
             return
-        self._schedule(key, slot, requeue)
+        self._schedule(key, requeue)
 
-    def _schedule(self, key: tuple[str, str], slot: _Slot, delay: float) -> None:
-        due = time.monotonic() + delay
-        with self._slots_lock:
-            if slot.timer is not None and slot.timer.is_alive() and slot.timer_due <= due:
-                return  # an earlier requeue is pending already
-            if slot.timer is not None:
-                slot.timer.cancel()
-            timer = threading.Timer(delay, self.reconcile, args=key)
-            timer.daemon = True
-            slot.timer, slot.timer_due = timer, due
-            timer.start()
+    def _schedule(self, key: JobKey, delay: float) -> None:
+        self.queue.add_after(key, delay)
 
     # One pass --------------------------------------------------------------------------------------------
 
@@ -134,6 +137,11 @@ class Reconciler:
         if body["metadata"].get("deletionTimestamp"):
             return None  # garbage collection removes the children through their ownerReferences
         job = ColocateJob.from_body(body)
+        with self._jobs_lock:
+            previous = self._uids.get((namespace, name))
+            self._uids[(namespace, name)] = job.ref.uid
+        if previous is not None and previous != job.ref.uid:
+            self.known.forget(previous)  # re-created under the same name
         status = body.get("status") or {}
         observed = self._observe(job, status)
         plan = decide(job, status, observed, self.clock(), self.config, secrets.token_urlsafe(32))
@@ -163,21 +171,31 @@ class Reconciler:
                 metastore_ready = int((deployment.get("status") or {}).get("readyReplicas") or 0) >= 1
         else:
             external_found = self._external_secret_found(job)
+        known = self.known.children(uid)
+        seen: set[str] = set()
         for kind, kind_name, child in wanted:
+            key = f"{kind_name}/{child}"
+            if key in known:
+                children.add(key)
+                continue
             # Metadata only: existence and owner are all we need, and a Secret's data never enters memory.
             meta = self.api.get(kind, ns, child, metadata_only=True)
             if meta is not None and _is_owned(meta, uid):
-                children.add(f"{kind_name}/{child}")
+                seen.add(key)
+        children |= seen
+        self.known.saw_children(uid, seen)
         device_class_found: bool | None = None
         if gpus.uses_dra(job) and not status.get("groupCreated") and not job.spec.suspend:
             device_class_found = self._device_class_found(job.spec.gpu.device_class_name)
-        claims: dict[str, ClaimState] = {}
+        # Each claim by name: a namespace-wide list would grow with every other job's claims.
         wanted_claims = {p.claim for p in pods if p.claim}
-        if wanted_claims:
-            for body in self.api.list(kube.CLAIMS, ns):
-                if body["metadata"]["name"] in wanted_claims:
-                    claim = ClaimState.from_body(body)
-                    claims[claim.name] = claim
+        allocated = self.known.claims(uid)
+        claims = {name: allocated[name] for name in wanted_claims if name in allocated}
+        for claim_name in sorted(wanted_claims - claims.keys()):
+            body = self.api.get(kube.CLAIMS, ns, claim_name)
+            if body is not None:
+                claims[claim_name] = ClaimState.from_body(body)
+        self.known.saw_claims(uid, claims)
         return Observed(
             pods=pods,
             children=frozenset(children),
@@ -190,14 +208,21 @@ class Reconciler:
     def _external_secret_found(self, job: ColocateJob) -> bool | None:
         external = job.spec.meta_store.external
         assert external is not None
+        ref = external.password_secret_ref
+        fact = f"ExternalSecret/{ref.name}/{ref.key}"
+        if fact in self.known.children(job.ref.uid):
+            return True
         try:
-            body = self.api.get(kube.SECRETS, job.ref.namespace, external.password_secret_ref.name)
+            body = self.api.get(kube.SECRETS, job.ref.namespace, ref.name)
         except kube.KubeError as e:
             if e.status == 403:
                 return None
             raise
         # Only the key's presence is looked at; the value is dropped with `body`.
-        return body is not None and external.password_secret_ref.key in (body.get("data") or {})
+        found = body is not None and ref.key in (body.get("data") or {})
+        if found:
+            self.known.saw_children(job.ref.uid, [fact])
+        return found
 
     def _device_class_found(self, device_class: str) -> bool | None:
         try:
@@ -244,7 +269,10 @@ class Reconciler:
             self.api.create(self.api.kind_of(manifest), ns, manifest)
         except kube.KubeError as e:
             if e.status == 409:
-                return True  # made by an earlier pass, or the old one is still terminating: next pass sees it
+                # Made by an earlier pass, or someone else's object of that name (or an old one still
+                # terminating): the next pass reads it and tells them apart.
+                self.known.lost_child(job.ref.uid, f"{kind}/{manifest['metadata']['name']}")
+                return True
             log.warning("create failed: %s", e, extra=what)
             key = (ns, job.ref.name, kind, manifest["metadata"]["name"], e.status)
             if time.monotonic() - self._failure_events.get(key, -EVENT_REPEAT_SECONDS) < EVENT_REPEAT_SECONDS:
@@ -260,6 +288,8 @@ class Reconciler:
             )
             return False
         log.info("created", extra=what)
+        if kind != "Pod":
+            self.known.saw_children(job.ref.uid, [f"{kind}/{manifest['metadata']['name']}"])
         return True
 
     def _write_status(self, job: ColocateJob, body: dict[str, Any], patch: dict[str, Any]) -> bool:

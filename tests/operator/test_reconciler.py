@@ -11,6 +11,7 @@ import pytest
 
 from colocate_operator import kube
 from colocate_operator.config import OperatorConfig
+from colocate_operator.known import KnownFacts
 from colocate_operator.reconciler import Reconciler
 from tests.operator import factories
 
@@ -187,3 +188,35 @@ def test_deleted_job_is_forgotten(api: FakeKube, reconciler: Reconciler) -> None
     del api.objects[("colocatejobs", "ns", "demo")]
     reconciler.reconcile("ns", "demo")
     assert reconciler.known_jobs() == []
+
+
+def test_event_driven_passes_skip_children_already_seen_until_the_resync_interval(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    now = [0.0]
+    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
+    bring_up(api, reconciler)
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    reads = sorted(c[:2] for c in api.calls if c[0] in ("get", "list"))
+    # The job, its pods and the meta-store's readiness: the only things an event can have changed.
+    assert reads == [("get", "colocatejobs"), ("get", "deployments"), ("list", "pods")]
+    now[0] += 121
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    kinds = {c[1] for c in api.calls if c[0] == "get"}
+    assert {"services", "secrets", "networkpolicies", "resourceclaimtemplates"} <= kinds
+
+
+def test_a_child_deleted_behind_the_operators_back_is_recreated_by_the_resync(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    now = [0.0]
+    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
+    bring_up(api, reconciler)
+    del api.objects[("services", "ns", "demo")]
+    reconciler.reconcile("ns", "demo")
+    assert ("services", "ns", "demo") not in api.objects, "an event-driven pass trusts what it saw"
+    now[0] += 121
+    reconciler.reconcile("ns", "demo")
+    assert ("services", "ns", "demo") in api.objects
