@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import redis
@@ -43,6 +44,16 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return ARGV[1] 
 return redis.call('GET', KEYS[1])
 """
 
+# The reader's whole fetch of a step in one round trip: the manifest; if there is one, the claim (first
+# claimant wins, as _CLAIM) and the abort reasons of the incarnation and of the step. No manifest: no claim.
+_FETCH_STEP = """
+local manifest = redis.call('GET', KEYS[1])
+if not manifest then return {false, false, false, false} end
+local winner = ARGV[1]
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then winner = redis.call('GET', KEYS[2]) end
+return {manifest, winner, redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4])}
+"""
+
 # A preflight offer (NX) announced in one step: its pod's index names it, and the reader side's queue wakes.
 _OFFER_PREFLIGHT = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -59,6 +70,21 @@ return 0
 
 CLAIM_READER = "reader"
 CLAIM_REVOKED = "revoked"
+
+
+@dataclass(frozen=True, slots=True)
+class StepFetch:
+    manifest: bytes
+    winner: str  # who holds the step's claim: CLAIM_READER if this fetch won it (or already held it)
+    abort_reason: str | None
+
+
+def _abort_text(raws: Iterable[bytes | None]) -> str | None:
+    for raw in raws:
+        if raw is not None:
+            d = json.loads(raw)
+            return f"{d.get('reason', '')} (by {d.get('who', '?')})"
+    return None
 
 
 class MetaStoreError(RuntimeError):
@@ -113,6 +139,7 @@ class MetaStore:
         self.address = address
         self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
         self._claim = client.register_script(_CLAIM)
+        self._fetch_step = client.register_script(_FETCH_STEP)
         self._offer_preflight = client.register_script(_OFFER_PREFLIGHT)
 
     @staticmethod
@@ -190,11 +217,7 @@ class MetaStore:
     @_translated
     def abort_reason(self, gen: int, step: int | None) -> str | None:
         keys = [self.keys.gen_abort(gen)] + ([] if step is None else [self.keys.step_abort(gen, step)])
-        for raw in self.client.mget(keys):
-            if raw is not None:
-                d = json.loads(raw)
-                return f"{d.get('reason', '')} (by {d.get('who', '?')})"
-        return None
+        return _abort_text(self.client.mget(keys))
 
     # --- one step -----------------------------------------------------------------------------------------
 
@@ -222,6 +245,27 @@ class MetaStore:
         return self.client.get(self.keys.manifest(gen, step, uuid))
 
     @_translated
+    def fetch_step(self, gen: int, step: int, uuid: str, who: str) -> StepFetch | None:
+        """`read_manifest`, then `claim` and `abort_reason` for the step, in one round trip. None (and no
+        claim) when the manifest is gone."""
+        manifest, winner, gen_abort, step_abort = self._fetch_step(
+            keys=[
+                self.keys.manifest(gen, step, uuid),
+                self.keys.claim(gen, step, uuid),
+                self.keys.gen_abort(gen),
+                self.keys.step_abort(gen, step),
+            ],
+            args=[who, self.key_ttl_ms],
+        )
+        if manifest is None:
+            return None
+        return StepFetch(
+            manifest=manifest,
+            winner=winner.decode() if isinstance(winner, bytes) else str(winner),
+            abort_reason=_abort_text([gen_abort, step_abort]),
+        )
+
+    @_translated
     def manifest_exists(self, gen: int, step: int, uuid: str) -> bool:
         return bool(self.client.exists(self.keys.manifest(gen, step, uuid)))
 
@@ -238,9 +282,11 @@ class MetaStore:
 
     @_translated
     def write_ack(self, gen: int, step: int, uuid: str, ack: Ack) -> bool:
+        text = ack.to_json()
+        # The ACK itself is the queue's token, so the waiting writer needs no second read (see wait_ack).
         result = self._set_nx_notify(
             keys=[self.keys.ack(gen, step, uuid), self.keys.ack_queue(gen, step, uuid)],
-            args=[ack.to_json(), self.key_ttl_ms, "1"],
+            args=[text, self.key_ttl_ms, text],
         )
         if int(result) == 0:
             raise MetaStoreConflict(f"step {step} of generation {gen} on {uuid} was already acknowledged")
@@ -249,7 +295,9 @@ class MetaStore:
     @_translated
     def wait_ack(self, gen: int, step: int, uuid: str, timeout_s: float) -> Ack | None:
         """Block at most `timeout_s` for the ACK of one step."""
-        self.client.blpop([self.keys.ack_queue(gen, step, uuid)], timeout=max(timeout_s, 0.01))
+        got = self.client.blpop([self.keys.ack_queue(gen, step, uuid)], timeout=max(timeout_s, 0.01))
+        if got is not None and got[1].startswith(b"{"):
+            return Ack.from_json(got[1])  # the token is the ACK (an older reader pushes "1": read the key)
         raw = self.client.get(self.keys.ack(gen, step, uuid))
         return None if raw is None else Ack.from_json(raw)
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from colocate_runtime.colocated import checksum
+from colocate_runtime.colocated import checksum, fastcopy
 from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
-from colocate_runtime.colocated.manifest import Ack, Manifest, ManifestError, decode_manifest
+from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
 from colocate_runtime.colocated.metastore import CLAIM_READER, MetaStore, MetaStoreError, MetaStoreUnavailable
 from colocate_runtime.colocated.outcome import (
     CoverageError,
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+OVERLAP_MIN_BYTES = 64 << 20  # buckets this large start copying before the next bucket is opened
+
 
 @dataclass(frozen=True, slots=True)
 class ReaderSettings:
@@ -67,6 +69,10 @@ class ReaderSettings:
     verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
     allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
     blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
+    copy_kernel: bool = (
+        True  # one batched copy launch per bucket where Triton and CUDA are there (fastcopy.py)
+    )
+    overlap_open: bool = True  # enqueue a bucket's copies as soon as it is open, while the next ones open
 
     @staticmethod
     def from_config(cfg: ColocateConfig, *, rank: int = 0) -> ReaderSettings:
@@ -117,11 +123,12 @@ class _BucketProgram:
     dtype: torch.dtype
     sizes: list[int]  # split sizes in elements, covering the whole bucket (padding included)
     copies: list[tuple[int, torch.Tensor, tuple[int, ...] | None]]  # chunk, destination, shape if strided
+    table: fastcopy.TileTable | None = None  # the entries the batched kernel copies (not in `copies`)
 
 
 @dataclass(slots=True)
 class _CopyProgram:
-    buckets: list[_BucketProgram] = field(default_factory=list)
+    buckets: dict[int, _BucketProgram] = field(default_factory=dict)
     sharded: list[PlacedEntry] = field(default_factory=list)
     extra: dict[str, PlacedEntry] = field(default_factory=dict)
     covered: dict[str, int] = field(default_factory=dict)
@@ -163,6 +170,9 @@ class WeightReader:
         self._watch: tuple[int | None, PeerWatch] | None = None
         self._lost_gen: int | None = None
         self._programs: dict[tuple, _CopyProgram] = {}
+        self._layouts = LayoutCache()  # the last checked layout: a repeated one is not decoded again
+        self._last_program: tuple[tuple[PlacedEntry, ...], tuple, _CopyProgram] | None = None
+        self._layout_hash: tuple[tuple[PlacedEntry, ...], str] | None = None
         self._exchange_called: bool | None = None  # None outside a step; else whether this step called it
         self.preflight: PreflightResponder | None = None  # the IPC preflight responder; stopped at close
         for name, shard in self.target_shards.items():
@@ -171,6 +181,9 @@ class WeightReader:
                 raise ValueError(f"{name}: target shard {shard.box} does not match the parameter")
 
     def start(self) -> WeightReader:
+        device = self._kernel_device()
+        if device is not None:
+            fastcopy.warm_up(device)  # compile now rather than in the first step
         self._heartbeat = Heartbeat(
             self.store,
             "reader",
@@ -261,15 +274,18 @@ class WeightReader:
 
     def _fetch_and_apply(self, gen: int, step: int) -> StepReport | None:
         t0 = time.perf_counter()
-        blob = self.store.read_manifest(gen, step, self.uuid)
-        if blob is None:
+        # Manifest, claim and abort keys in one round trip (no claim when the manifest is gone).
+        fetched = self.store.fetch_step(gen, step, self.uuid, CLAIM_READER)
+        if fetched is None:
             log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
             return None
-        if self.store.claim(gen, step, self.uuid, CLAIM_READER) != CLAIM_READER:
+        if fetched.winner != CLAIM_READER:
             log.warning("step %d: the trainer revoked it before this reader claimed it; skipped", step)
             return None
         try:
-            manifest = decode_manifest(blob, expect_gen=gen, expect_step=step, expect_gpu=self.uuid)
+            manifest = decode_manifest(
+                fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=self.uuid, cache=self._layouts
+            )
         except ManifestError as err:
             # Nothing was opened: say so at once, so the trainer frees instead of waiting for its timeout.
             ack = Ack(
@@ -281,7 +297,7 @@ class WeightReader:
             )
             self.store.write_ack(gen, step, self.uuid, ack)
             raise StepFailed(f"step {step}: {err}", step=step) from None
-        return self.apply(manifest, fetch_s=time.perf_counter() - t0)
+        return self._apply(manifest, time.perf_counter() - t0, abort=(fetched.abort_reason,))
 
     # --- one step -----------------------------------------------------------------------------------------
 
@@ -290,24 +306,41 @@ class WeightReader:
         with self._exchange_round():
             return self._apply(manifest, fetch_s)
 
-    def _apply(self, manifest: Manifest, fetch_s: float) -> StepReport:
+    def _apply(
+        self, manifest: Manifest, fetch_s: float, *, abort: tuple[str | None] | None = None
+    ) -> StepReport:
+        """`abort`: the abort reason the fetch read with the claim, when it did (saves a round trip)."""
         gen, step = manifest.gen, manifest.step
         self._state = "applying"
         seconds: dict[str, float] = {"fetch": fetch_s} if fetch_s else {}
         scope = ImportScope()
-        t0 = time.perf_counter()
         copied = 0
         try:
-            reason = self.store.abort_reason(gen, step)
+            reason = self.store.abort_reason(gen, step) if abort is None else abort[0]
             if reason is not None:
                 raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
+            t0 = time.perf_counter()
+            program = self._program(manifest)
+            # Open each bucket once; with overlap_open a large bucket's copies are enqueued at once (the
+            # device copies bucket i while the host opens bucket i+1); small buckets, whose copies would hide
+            # little, are copied after the last open. "open" is the time spent in the open calls, "copy" the
+            # rest until the device finished: together the wall time of both.
+            open_s = 0.0
+            pending: list[int] = []
             for b in manifest.buckets:
+                o0 = time.perf_counter()
                 scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
-            t1 = time.perf_counter()
-            seconds["open"] = t1 - t0
-            copied = self._copy(manifest, scope)
+                open_s += time.perf_counter() - o0
+                if self.settings.overlap_open and b.nbytes >= OVERLAP_MIN_BYTES:
+                    self._copy_bucket(program, b.index, scope)
+                else:
+                    pending.append(b.index)
+            for index in pending:
+                self._copy_bucket(program, index, scope)
+            copied = self._copy_rest(manifest, program, scope)
             self.importer.synchronize()  # the copy phase ends when the device is done with it
-            seconds["copy"] = time.perf_counter() - t1
+            seconds["open"] = open_s
+            seconds["copy"] = time.perf_counter() - t0 - open_s
         except BaseException as err:
             # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
             traceback.clear_frames(err.__traceback__)
@@ -362,22 +395,32 @@ class WeightReader:
         if mismatches:
             raise StepFailed(f"step {step}: sampled checksums differ for {mismatches}", step=step)
         self.weight_version = manifest.weight_version
-        self.history.record(UpdateRecord(gen, step, manifest.plan().layout_hash(), copied, report.seconds))
+        self.history.record(UpdateRecord(gen, step, self._hash_of(manifest), copied, report.seconds))
         if self.history.layout_changed():
             log.warning("step %d: the trainer's layout changed since the previous update", step)
         return report
 
     @torch.no_grad()
-    def _copy(self, manifest: Manifest, scope: ImportScope) -> int:
-        program = self._program(manifest)
-        # Whole-parameter entries: one split per bucket (a single call makes every entry's view), then one
-        # copy per entry, so the device starts copying while the host is still issuing.
-        for bp in program.buckets:
-            chunks = scope.bucket(bp.index).view(bp.dtype).split(bp.sizes)
+    def _copy_bucket(self, program: _CopyProgram, index: int, scope: ImportScope) -> None:
+        """Enqueue the whole-parameter entries of one bucket: one kernel launch for those it can take, then
+        one split (a single call makes every remaining entry's view) and one copy per remaining entry."""
+        bp = program.buckets.get(index)
+        if bp is None:
+            return
+        flat = scope.bucket(index)
+        if bp.table is not None:
+            bp.table.launch(flat)
+        if bp.copies:
+            chunks = flat.view(bp.dtype).split(bp.sizes)
             for chunk_index, dst, shape in bp.copies:
                 src = chunks[chunk_index]
                 dst.copy_(src if shape is None else src.view(shape))
             del chunks
+        del flat
+
+    @torch.no_grad()
+    def _copy_rest(self, manifest: Manifest, program: _CopyProgram, scope: ImportScope) -> int:
+        """Sharded entries and the exchange, once every bucket is open; returns the bytes copied here."""
         plan = _CopyPlan(covered=dict(program.covered), copied_bytes=program.copied_bytes)
         for e in program.sharded:
             self._plan_entry(e, entry_view(scope.bucket(e.bucket), e), self.targets[e.name], plan)
@@ -415,6 +458,10 @@ class WeightReader:
 
     def _program(self, manifest: Manifest) -> _CopyProgram:
         """The copy program of a layout, built (and checked) once: layouts repeat from step to step."""
+        sizes = tuple((b.index, b.dtype, b.nbytes) for b in manifest.buckets)
+        last = self._last_program
+        if last is not None and last[0] is manifest.entries and last[1] == sizes:
+            return last[2]  # the layout cache handed back the very entries of the last step
         key = (
             tuple((b.index, b.dtype, b.nbytes) for b in manifest.buckets),
             tuple(
@@ -427,7 +474,21 @@ class WeightReader:
             if len(self._programs) >= 4:
                 self._programs.clear()
             self._programs[key] = program
+        self._last_program = (manifest.entries, sizes, program)
         return program
+
+    def _hash_of(self, manifest: Manifest) -> str:
+        """The layout hash for the history, computed once per layout (a millisecond at 400 entries)."""
+        if self._layout_hash is None or self._layout_hash[0] is not manifest.entries:
+            self._layout_hash = (manifest.entries, manifest.plan().layout_hash())
+        return self._layout_hash[1]
+
+    def _kernel_device(self) -> torch.device | None:
+        """The device whose buckets the batched copy kernel copies, or None to copy entry by entry."""
+        device = getattr(self.importer, "device", None)
+        if not self.settings.copy_kernel or not isinstance(device, torch.device):
+            return None
+        return device if fastcopy.available(device) else None
 
     def _build_program(self, manifest: Manifest) -> _CopyProgram:
         program = _CopyProgram()
@@ -455,6 +516,7 @@ class WeightReader:
             direct.setdefault(e.bucket, []).append(e)
             program.covered[e.name] = program.covered.get(e.name, 0) + target.numel()
             program.copied_bytes += e.nbytes
+        device = self._kernel_device()
         for b in manifest.buckets:
             entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
             if not entries:
@@ -462,6 +524,16 @@ class WeightReader:
             dtype = torch_dtype(b.dtype)
             esize = DTYPE_BYTES[b.dtype]
             bp = _BucketProgram(b.index, dtype, [], [])
+            if device is not None:
+                fast = [
+                    e for e in entries if fastcopy.eligible(self.targets[e.name], e.nbytes, e.offset, device)
+                ]
+                if len(fast) >= 2:  # for one entry a copy_ is one launch too, and a cheaper one
+                    bp.table = fastcopy.build(
+                        [(e.offset, self.targets[e.name], e.nbytes) for e in fast], device
+                    )
+                    taken = {id(e) for e in fast}
+                    entries = [e for e in entries if id(e) not in taken]
             pos = 0
             for e in entries:
                 start = e.offset // esize
@@ -480,7 +552,7 @@ class WeightReader:
                 pos = start + e.nbytes // esize
             if pos < b.nbytes // esize:
                 bp.sizes.append(b.nbytes // esize - pos)
-            program.buckets.append(bp)
+            program.buckets[b.index] = bp
         return program
 
     def _plan_entry(self, e: PlacedEntry, view: torch.Tensor, target: torch.Tensor, plan: _CopyPlan) -> None:

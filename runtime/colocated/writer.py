@@ -28,11 +28,18 @@ from dataclasses import dataclass, field
 import torch
 
 from colocate_runtime.colocated import checksum
-from colocate_runtime.colocated.buckets import EntrySpec, plan_buckets
+from colocate_runtime.colocated.buckets import BucketPlan, EntrySpec, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
-from colocate_runtime.colocated.manifest import Ack, BucketRecord, Manifest, Producer, encode_manifest
+from colocate_runtime.colocated.manifest import (
+    Ack,
+    BucketRecord,
+    LayoutEncoder,
+    Manifest,
+    Producer,
+    encode_manifest,
+)
 from colocate_runtime.colocated.metastore import (
     CLAIM_READER,
     CLAIM_REVOKED,
@@ -100,6 +107,7 @@ class PendingStep:
     run_id: str
     phase_seconds: dict[str, float] = field(default_factory=dict)
     reader_watch: PeerWatch | None = None  # set when parked: is the reader that may map them alive?
+    published_at: float = 0.0  # perf_counter when the manifest was written: `wait_ack` counts from here
 
 
 class WeightWriter:
@@ -117,6 +125,9 @@ class WeightWriter:
         self._run_id = ""
         self._preflight: TrainerPreflight | None = None
         self._preflight_gen: int | None = None  # the incarnation whose preflight passed
+        # Layouts repeat from step to step: the last plan (by its specs and cap) and its packed entries.
+        self._plan: tuple[list[EntrySpec], int, BucketPlan] | None = None
+        self._layout = LayoutEncoder()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -234,7 +245,7 @@ class WeightWriter:
         for name, t in tensors.items():
             shard = shards.get(name)
             specs.append(EntrySpec(name, dtype_name(t.dtype), tuple(t.shape), shard))
-        plan = plan_buckets(specs, self.settings.bucket_bytes)
+        plan = self._plan_of(specs)
         tag = f"g{gen}-s{step}"
         buckets = [self.exporter.allocate(b.index, b.nbytes, tag) for b in plan.buckets]
         try:
@@ -271,7 +282,7 @@ class WeightWriter:
                 checksums=sums,
             )
             run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
-            self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest))
+            self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest, self._layout))
         except BaseException:
             # Nothing was announced (or the announcement failed): no reader can hold these buckets.
             self.exporter.free(buckets)
@@ -288,9 +299,16 @@ class WeightWriter:
             len(buckets),
             run_id,
             {"pack": t_pack - t0, "publish": t_pub - t_pack},
+            published_at=t_pub,
         )
         self._emit(self._event(pending, "published", seconds=t_pub - t0))
         return pending
+
+    def _plan_of(self, specs: list[EntrySpec]) -> BucketPlan:
+        cap = self.settings.bucket_bytes
+        if self._plan is None or self._plan[1] != cap or self._plan[0] != specs:
+            self._plan = (specs, cap, plan_buckets(specs, cap))
+        return self._plan[2]
 
     def wait_and_free(self, pending: PendingStep) -> StepReport:
         gen, step = pending.gen, pending.step
@@ -303,7 +321,10 @@ class WeightWriter:
                 ack = self.store.wait_ack(gen, step, self.uuid, deadline.slice())
                 unreachable = None
                 if ack is not None:
-                    pending.phase_seconds["wait_ack"] = time.perf_counter() - t0
+                    # From the manifest's write (not from this call): the reader may have been at work while
+                    # the caller did something else, and publish + wait_ack is then the step end to end.
+                    start = pending.published_at or t0
+                    pending.phase_seconds["wait_ack"] = time.perf_counter() - start
                     return self._on_ack(pending, ack, reader, deadline)
                 reason = self.store.abort_reason(gen, step)
                 if reason is not None:

@@ -127,6 +127,42 @@ def test_transformers_model_gives_the_trainers_logits(env: dict[str, str], tmp_p
         assert torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3), (ours - theirs).abs().max()
 
 
+def test_batched_copy_kernel_is_bitwise_and_writes_nothing_else() -> None:
+    from colocate_runtime.colocated import fastcopy
+
+    dev = torch.device("cuda", 0)
+    if not fastcopy.available(dev):
+        pytest.skip("no Triton")
+    tile = fastcopy.TILE_BYTES
+    sizes = [16, 48, tile, tile + 16, 3 * tile + 4096, 1 << 20, 2 * tile - 16, 256]  # bytes
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos = (pos + n + 255) // 256 * 256
+    gen = torch.Generator().manual_seed(7)
+    bucket = torch.randint(0, 256, (pos,), dtype=torch.uint8, generator=gen).to(dev)
+    guard = 4096  # poisoned bytes around every destination must stay as they are
+    arena = torch.full((sum(sizes) + guard * (len(sizes) + 1),), 0xAB, dtype=torch.uint8, device=dev)
+    dsts, at = [], guard
+    for n in sizes:
+        dsts.append(arena[at : at + n])
+        at += n + guard
+    copies = list(zip(offsets, dsts, sizes, strict=True))[::-1]  # the base is the last: negative offsets too
+    assert all(fastcopy.eligible(d, n, o, dev) for o, d, n in copies)
+    expected = arena.clone()
+    for o, d, n in copies:
+        expected[d.data_ptr() - arena.data_ptr() :][:n].copy_(bucket[o : o + n])
+    table = fastcopy.build(copies, dev)
+    table.launch(bucket)
+    torch.cuda.synchronize()
+    assert torch.equal(arena, expected)
+    # What the kernel must not take: odd byte counts, non-contiguous or misaligned destinations.
+    odd = torch.empty(7, dtype=torch.bfloat16, device=dev)
+    assert not fastcopy.eligible(odd, 14, 0, dev)
+    assert not fastcopy.eligible(torch.empty(8, 4, device=dev).t(), 128, 0, dev)
+    assert not fastcopy.eligible(arena[guard + 8 : guard + 24], 16, 0, dev)
+
+
 def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from colocate_runtime.colocated.ipc import CudaIpcExporter
     from colocate_runtime.colocated.transport import TransportError

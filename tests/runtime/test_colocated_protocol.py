@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.manifest import Ack
+from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED
 from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
@@ -125,6 +127,50 @@ def test_several_steps_bitwise_equal_events_and_cleanup(cfg: ColocateConfig, wri
         store.read_manifest(gen, 1, writer.uuid) is None and store.read_manifest(gen, 2, writer.uuid) is None
     )
     assert store.read_manifest(gen, 4, writer.uuid) is not None
+
+
+def test_fetch_step_claims_only_an_existing_manifest_and_reads_aborts(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+    assert store.fetch_step(gen, 7, uuid, CLAIM_READER) is None
+    assert store.claim_owner(gen, 7, uuid) is None  # no manifest: nothing claimed
+    store.publish_manifest(gen, 7, uuid, b"m7")
+    got = store.fetch_step(gen, 7, uuid, CLAIM_READER)
+    assert got is not None and (got.manifest, got.winner, got.abort_reason) == (b"m7", CLAIM_READER, None)
+    store.publish_manifest(gen, 8, uuid, b"m8")
+    assert store.claim(gen, 8, uuid, CLAIM_REVOKED) == CLAIM_REVOKED
+    store.abort(gen, 8, "stop", "operator")
+    got = store.fetch_step(gen, 8, uuid, CLAIM_READER)
+    assert got is not None and got.winner == CLAIM_REVOKED and got.abort_reason == "stop (by operator)"
+    store.abort(gen, None, "suspend", "operator")
+    got = store.fetch_step(gen, 7, uuid, CLAIM_READER)
+    assert got is not None and got.abort_reason == "suspend (by operator)"
+
+
+def test_wait_ack_takes_the_ack_from_its_token_or_reads_it(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+    ack = Ack(status="ok", ipc_closed=True, bytes_copied=5)
+    store.write_ack(gen, 1, uuid, ack)
+    assert store.wait_ack(gen, 1, uuid, 1.0) == ack
+    # A reader of an earlier version pushes "1": the writer then reads the ACK's key.
+    store.client.set(store.keys.ack(gen, 2, uuid), ack.to_json())
+    store.client.rpush(store.keys.ack_queue(gen, 2, uuid), "1")
+    assert store.wait_ack(gen, 2, uuid, 1.0) == ack
+
+
+def test_repeated_layouts_are_decoded_once(cfg: ColocateConfig, writer: WeightWriter) -> None:
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    try:
+        for step in (1, 2, 3):
+            pending = writer.publish(step, model.weights(step))
+            reader.apply_next(timeout_s=5)
+            writer.wait_and_free(pending)
+            assert model.all_equal(model.weights(step), targets) == []
+        assert reader._layouts.hits == 2 and len(reader._programs) == 1
+    finally:
+        reader.close()
 
 
 def test_zero_updates_and_single_update_history(cfg: ColocateConfig, writer: WeightWriter) -> None:

@@ -24,6 +24,8 @@ from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.manifest import (
     Ack,
     BucketRecord,
+    LayoutCache,
+    LayoutEncoder,
     Manifest,
     ManifestError,
     Producer,
@@ -135,6 +137,42 @@ def test_manifest_rejects_inconsistent_layouts() -> None:
         decode_manifest(b"\x80\x04\x95garbage")
     with pytest.raises(ManifestError):
         Ack.from_json('{"schema": 1, "status": "ok", "ipc_closed": false}')
+
+
+def test_layout_encoder_gives_the_same_bytes_and_follows_layout_changes() -> None:
+    enc = LayoutEncoder()
+    m = _manifest()
+    assert encode_manifest(m, enc) == encode_manifest(m)
+    assert encode_manifest(dataclasses.replace(m, step=10), enc) == encode_manifest(
+        dataclasses.replace(m, step=10)
+    )
+    renamed = dataclasses.replace(m.entries[0], name="a2")
+    changed = _manifest(entries=(renamed, m.entries[1]))
+    assert encode_manifest(changed, enc) == encode_manifest(changed)
+    assert decode_manifest(encode_manifest(changed, enc)).entries[0].name == "a2"
+
+
+def test_layout_cache_reuses_only_an_identical_checked_layout() -> None:
+    cache = LayoutCache()
+    m = _manifest()
+    first = decode_manifest(encode_manifest(m), cache=cache)
+    second = decode_manifest(encode_manifest(dataclasses.replace(m, step=10)), expect_step=10, cache=cache)
+    assert first == m and second.step == 10 and second.entries is first.entries and cache.hits == 1
+    # Pinning and descriptors are still checked on a hit.
+    with pytest.raises(ManifestError, match="gpu"):
+        decode_manifest(encode_manifest(m), expect_gpu="GPU-y", cache=cache)
+    # A different layout is decoded and checked again: a bad one is refused after a good one was cached.
+    bad = dataclasses.replace(m.entries[0], offset=m.buckets[0].nbytes)
+    with pytest.raises(ManifestError, match="outside bucket"):
+        decode_manifest(encode_manifest(_manifest(entries=(bad, m.entries[1]))), cache=cache)
+    # Same entries in a smaller bucket: not a hit (the layout check depends on the bucket sizes).
+    small = dataclasses.replace(m.buckets[0], nbytes=16)  # entry "a" has 30 bytes
+    with pytest.raises(ManifestError, match="outside bucket"):
+        decode_manifest(encode_manifest(_manifest(buckets=(small, *m.buckets[1:]))), cache=cache)
+    hits = cache.hits
+    assert decode_manifest(encode_manifest(m), cache=cache).entries == m.entries and cache.hits == hits + 1
+    with pytest.raises(ManifestError, match="not valid msgpack"):
+        decode_manifest(encode_manifest(m)[:-3], cache=cache)
 
 
 def test_history_guards_short_histories() -> None:
