@@ -6,7 +6,8 @@
 #                .git/info/exclude keeps out of git; the device tool carries it)
 # On the H200:  device run, carry [".device"], command "bash bench/colocated_device.sh test"
 #               device run, carry [".device"], command "bash bench/colocated_device.sh bench --size-gb 8 16"
-#               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py)
+#               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py; "copy --size-gb 8"
+#                compares ways to do the copy phase alone, against one flat copy)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -62,6 +63,7 @@ case "${1:-}" in
     test) setup_device; run_tests ;;
     gpu-tests) setup_device; run_all_gpu_tests ;;
     bench) shift; setup_device; run_bench "$@" ;;
+    copy) shift; setup_device; run_bench --role copy "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [bench args]|all [bench args]"; exit 2 ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [bench args]|copy [bench args]|all [bench args]"; exit 2 ;;
 esac
