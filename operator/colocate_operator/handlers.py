@@ -41,6 +41,9 @@ from colocate_operator.reconciler import Reconciler
 from colocate_operator.spec import ColocateJob
 
 JOB = (GROUP, VERSION, PLURAL)
+# A job's pods change together (created, scheduled, started, ready in waves of numNodes events): one pass
+# for each wave instead of one per event. Bounds how late a pod failure is acted on.
+CHILD_EVENT_BATCH_SECONDS = 0.5
 _ROUTINE = re.compile(r"^Handler '(job|pod|metastore|steps)' succeeded\.$")
 
 
@@ -103,7 +106,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         event: dict[str, Any], labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any
     ) -> None:
         if "reconciler" in memo and memo.marks.pod_changed(event.get("type"), event.get("object") or {}):
-            memo.reconciler.enqueue(namespace, labels[LABEL_JOB])
+            memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
 
     @kopf.on.event(
         "apps",
@@ -120,7 +123,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
             event.get("type"), event.get("object") or {}
         )
         if changed:
-            memo.reconciler.enqueue(namespace, labels[LABEL_JOB])
+            memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
 
     stepwatch.register(registry, config)
 

@@ -63,9 +63,10 @@ class Reconciler:
 
     # Entry points ----------------------------------------------------------------------------------------
 
-    def enqueue(self, namespace: str, name: str) -> None:
-        """Ask for a pass over the job; returns at once (thread-safe, callable from the event loop)."""
-        self.queue.add((namespace, name))
+    def enqueue(self, namespace: str, name: str, delay: float = 0.0) -> None:
+        """Ask for a pass over the job within `delay` seconds; returns at once (thread-safe, callable from
+        the event loop). Events arriving within the delay share one pass."""
+        self.queue.add_after((namespace, name), delay)
 
     def known_jobs(self) -> list[JobKey]:
         with self._jobs_lock:
