@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime when not installed)
 
-from colocate_runtime.p2p.chunks import assign_chunks  # noqa: E402
+from colocate_runtime.p2p.chunks import DIRECT_MIN_BYTES, assign_chunks  # noqa: E402
 from colocate_runtime.p2p.config import ExecutorConfig  # noqa: E402
 from colocate_runtime.p2p.executor import P2PExchange  # noqa: E402
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box  # noqa: E402
@@ -393,7 +393,10 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=int, default=1024, help="executor staging budget (MiB)")
     parser.add_argument("--depth", type=int, default=2, help="chunks in flight")
     parser.add_argument(
-        "--direct-min-mb", type=float, default=16.0, help="slices this big get their own message, unpacked"
+        "--direct-min-mb",
+        type=float,
+        default=DIRECT_MIN_BYTES / (1 << 20),
+        help="slices this big get their own message, unpacked",
     )
     parser.add_argument(
         "--split-batches", action="store_true", help="one batch per message pair instead of one per peer"

@@ -2,8 +2,8 @@
 
 Everything that can be known from metadata is computed once when an exchange is created: for every message,
 its slices in local shard coordinates and whether it could move in place (one slice, dense within its shard,
-no cast when sending). A run then only checks each local tensor once (shape, dtype, device, contiguity) and
-creates views chunk by chunk while the previous chunk is on the wire, so host work per run stays small.
+no cast when sending). A run then only checks each local tensor once (shape, dtype, device, contiguity); the
+`program` module turns the result into buffers and copies once per layout of the local tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from colocate_runtime.p2p.chunks import Message, PeerBatch, RankSchedule
 from colocate_runtime.p2p.layout import Layout
-from colocate_runtime.p2p.staging import as_bytes, box_view, torch_dtype
+from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.shards import Box, ShardError
 
 SOURCE, TARGET = "source", "target"
@@ -94,6 +94,11 @@ def _local_shapes(layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# What a run checks for one local tensor: name, shard shape, dtype, and whether its density matters (it is
+# the tensor of a movable message).
+Spec = tuple[str, tuple[int, ...], torch.dtype, bool]
+
+
 class LocalTensors:
     """This rank's sources and targets for one run, each checked once against its shard."""
 
@@ -101,34 +106,51 @@ class LocalTensors:
         self,
         rank: int,
         device: torch.device,
-        shards: Mapping[str, Mapping[str, tuple[tuple[int, ...], torch.dtype]]],
+        specs: Mapping[str, tuple[Spec, ...]],
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
-        needed: Mapping[str, set[str]],
     ) -> None:
         self._tensors: dict[str, dict[str, torch.Tensor]] = {SOURCE: {}, TARGET: {}}
         self._dense: dict[str, dict[str, bool]] = {SOURCE: {}, TARGET: {}}
         for kind in (SOURCE, TARGET):
-            for name in sorted(needed[kind]):
-                tensor = tensors[kind].get(name)
-                shape, dtype = shards[kind][name]
-                if tensor is None:
-                    raise ShardError(f"{name}: rank {rank} has no local {kind} tensor for it")
-                what = f"{name}: the local {kind} on rank {rank}"
-                if tuple(tensor.shape) != shape:
-                    raise ShardError(f"{what} has shape {tuple(tensor.shape)}, its shard is {list(shape)}")
-                if tensor.dtype != dtype:
-                    raise ShardError(f"{what} is {tensor.dtype}, expected {dtype}")
-                if tensor.device != device:
-                    raise ShardError(f"{what} is on {tensor.device}, the exchange on {device}")
-                self._tensors[kind][name] = tensor
-                self._dense[kind][name] = tensor.is_contiguous()
+            given, out, dense = tensors[kind], self._tensors[kind], self._dense[kind]
+            for name, shape, dtype, movable in specs[kind]:
+                tensor = given.get(name)
+                # One cheap test per tensor (this loop runs before any byte moves); details on failure.
+                if (
+                    tensor is None
+                    or tensor.shape != shape
+                    or tensor.dtype != dtype
+                    or tensor.device != device
+                ):
+                    _reject(rank, device, kind, name, shape, dtype, tensor)
+                out[name] = tensor
+                if movable:
+                    dense[name] = tensor.is_contiguous()
 
     def in_place(self, kind: str, wire: Wire) -> bool:
         return wire.movable and self._dense[kind][wire.pieces[0].name]
 
-    def view(self, kind: str, piece: Piece) -> torch.Tensor:
-        return box_view(self._tensors[kind][piece.name], piece.box)
+    def dense(self, kind: str, name: str) -> bool:
+        return self._dense[kind][name]
 
-    def bytes_of(self, kind: str, wire: Wire) -> torch.Tensor:
-        """The tensor memory a movable message is sent from or received into."""
-        return as_bytes(self.view(kind, wire.pieces[0]))
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        return self._tensors[kind]
+
+
+def _reject(
+    rank: int,
+    device: torch.device,
+    kind: str,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    tensor: torch.Tensor | None,
+) -> None:
+    if tensor is None:
+        raise ShardError(f"{name}: rank {rank} has no local {kind} tensor for it")
+    what = f"{name}: the local {kind} on rank {rank}"
+    if tuple(tensor.shape) != shape:
+        raise ShardError(f"{what} has shape {tuple(tensor.shape)}, its shard is {list(shape)}")
+    if tensor.dtype != dtype:
+        raise ShardError(f"{what} is {tensor.dtype}, expected {dtype}")
+    raise ShardError(f"{what} is on {tensor.device}, the exchange on {device}")

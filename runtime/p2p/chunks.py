@@ -19,10 +19,12 @@ from colocate_runtime.shards import Box, dtype_bytes, stable_hash
 ALIGN = 16
 
 
-# Slices this big travel as their own message: packing them would cost two copies that contend with the
-# wire for memory bandwidth (measured on H200: a concurrent 16 GB copy slowed a flat NVLink send by ~20%),
-# while a message costs ~17 us. Smaller slices are packed, so thousands of tiny ops never reach NCCL.
-DIRECT_MIN_BYTES = 16 << 20
+# Slices this big travel as their own message: packing them costs two copies that contend with the wire
+# for memory bandwidth (on H200 a concurrent 16 GB copy slowed a flat NVLink send by ~20%). Measured on the
+# 16 GB llama8b move: packing the 8 MiB k/v projections (a 16 MiB threshold) took 46.9 ms, sending them as
+# messages of their own 45.5 ms. Smaller slices are packed, so thousands of tiny ops never reach NCCL
+# (a 1 MiB message alone costs ~25 us of wire time).
+DIRECT_MIN_BYTES = 4 << 20
 
 
 def aligned(nbytes: int) -> int:

@@ -17,18 +17,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Wire, resolve
-from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, aligned, assign_chunks, rank_schedule
+from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Spec, resolve
+from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, assign_chunks, rank_schedule
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
-from colocate_runtime.p2p.staging import Arena, box_view, torch_dtype, typed_view
+from colocate_runtime.p2p.program import Program, Step, buffer, local_copies, region, signature
+from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.p2p.waiting import Deadlines
 from colocate_runtime.shards import ShardError
 
@@ -69,13 +70,24 @@ class RunReport:
     trace: tuple[TraceEvent, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A peer batch's ops, ready to launch."""
+
+    step: Step
+    groups: list[list[dist.P2POp]]
+
+
 @dataclass(slots=True)
 class _Posted:
-    """A peer batch on the wire, with the received messages still to be unpacked from staging."""
+    """A peer batch on the wire; its staged received messages are unpacked when it is drained."""
 
-    work: BatchWork
+    step: Step
     works: list
-    unpack: list[tuple[Wire, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def work(self) -> BatchWork:
+        return self.step.work
 
 
 class P2PExchange:
@@ -114,10 +126,22 @@ class P2PExchange:
             SOURCE: _names(self._work, sending=True),
             TARGET: _names(self._work, sending=False),
         }
-        self._needed = {
+        needed = {
             SOURCE: {t.name for t in schedule.local} | self._remote[SOURCE],
             TARGET: {t.name for t in schedule.local} | self._remote[TARGET],
         }
+        self._shapes = {kind: {n: shape for n, (shape, _) in s.items()} for kind, s in self._shards.items()}
+        # Programs by which tensors of movable messages are dense: usually one for the exchange's life.
+        self._movable = tuple(
+            sorted(
+                {(SOURCE, w.pieces[0].name) for c in self._work for b in c for w in b.sends if w.movable}
+                | {(TARGET, w.pieces[0].name) for c in self._work for b in c for w in b.recvs if w.movable}
+            )
+        )
+        # The per-run checks, worked out once: with and without the plan's local copies.
+        self._specs = {local: self._checks(needed if local else self._remote) for local in (True, False)}
+        self._programs: dict[tuple[bool, ...], Program] = {}
+        self._local_copies = local_copies(schedule.local, self._shapes[SOURCE], self._shapes[TARGET])
         self._bytes_sent = _payload(schedule, sending=True)
         self._bytes_received = _payload(schedule, sending=False)
         self._bytes_local = sum(t.wire_bytes for t in schedule.local)
@@ -199,33 +223,40 @@ class P2PExchange:
         has already copied those elements itself (the colocated reader); tensors only they need may then be
         left out."""
         start = time.perf_counter()
-        needed = self._needed if local else self._remote
         with torch.no_grad():
             error: Exception | None = None
             bound: LocalTensors | None = None
             try:
                 bound = LocalTensors(
-                    self.rank, self.device, self._shards, {SOURCE: sources, TARGET: targets}, needed
+                    self.rank, self.device, self._specs[local], {SOURCE: sources, TARGET: targets}
                 )
             except ShardError as exc:
                 error = exc
-            n_chunks = self._preflight(failed=error is not None, n_chunks=len(self._work))
+            votes, vote = self._vote(failed=error is not None)
+            first = None
+            if bound is not None:
+                # Host work for the first chunk while the vote is on its way: views and ops only, nothing
+                # touches the GPU before every rank has agreed.
+                program = self._program(bound)
+                if program.chunks:
+                    first = self._prepare(0, program.chunks[0], bound)
+            n_chunks = self._tally(votes, vote, failed=error is not None)
             if error is not None:
                 raise error
             assert bound is not None
-            work = list(self._work) + [() for _ in range(len(self._work), n_chunks)]
-            for t in self.schedule.local if local else ():
-                box_view(targets[t.name], t.dst_box).copy_(box_view(sources[t.name], t.src_box))
-            depth = self.config.pipeline_depth
-            staged = [_staging(chunk, bound) for chunk in work]
-            arena = Arena([max(staged[s::depth], default=0) for s in range(depth)], self.device)
+            work = list(program.chunks) + [() for _ in range(len(program.chunks), n_chunks)]
             trace: list[TraceEvent] = []
+            program.arena.acquire()
             try:
-                self._exchange(work, bound, arena, trace, start)
-            finally:
-                arena.release()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+                self._exchange(work, bound, trace, start, local, first)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException:
+                # Work may still reference the staging: let the allocator free it when that is done
+                # (stream-ordered, as for any tensor) instead of shrinking it under the wire.
+                self._programs.clear()
+                raise
+            program.arena.release()
         return RunReport(
             rank=self.rank,
             n_chunks=n_chunks,
@@ -233,7 +264,7 @@ class P2PExchange:
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
             bytes_local=self._bytes_local if local else 0,
-            staging_bytes=arena.nbytes,
+            staging_bytes=program.arena.nbytes,
             seconds=time.perf_counter() - start,
             trace=tuple(trace),
         )
@@ -242,14 +273,35 @@ class P2PExchange:
         """Tear the NCCL communicator down (done on every timeout) so stuck kernels cannot outlive it."""
         self._deadlines.abort()
 
+    def _checks(self, needed: Mapping[str, set[str]]) -> dict[str, tuple[Spec, ...]]:
+        movable = set(self._movable)
+        return {
+            kind: tuple(
+                (name, *self._shards[kind][name], (kind, name) in movable) for name in sorted(needed[kind])
+            )
+            for kind in (SOURCE, TARGET)
+        }
+
+    def _program(self, bound: LocalTensors) -> Program:
+        key = signature(bound, self._movable)
+        program = self._programs.get(key)
+        if program is None:
+            program = Program(self._work, bound, self._shapes, self.config.pipeline_depth, self.device)
+            self._programs[key] = program
+        return program
+
     # -- agreement -----------------------------------------------------------------------------------------
 
-    def _preflight(self, *, failed: bool, n_chunks: int) -> int:
-        """One MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
+    def _vote(self, *, failed: bool) -> tuple[torch.Tensor, dist.Work]:
+        """Start one MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
         ballot = [0] * (self.world + 1)
-        ballot[self.rank], ballot[self.world] = int(failed), n_chunks
+        ballot[self.rank], ballot[self.world] = int(failed), len(self._work)
         votes = torch.tensor(ballot, dtype=torch.int64).to(self.device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        return votes, work
+
+    def _tally(self, votes: torch.Tensor, work: dist.Work, *, failed: bool) -> int:
         self._deadlines.wait_for_group([work], "the all-reduce that starts the run")
         values = votes.tolist()
         bad = [r for r, f in enumerate(values[: self.world]) if f]
@@ -284,70 +336,54 @@ class P2PExchange:
 
     def _exchange(
         self,
-        work: list[tuple[BatchWork, ...]],
-        local: LocalTensors,
-        arena: Arena,
+        work: list[tuple[Step, ...]],
+        bound: LocalTensors,
         trace: list[TraceEvent],
         start: float,
+        local: bool,
+        first: list[_Prepared] | None = None,
     ) -> None:
         """Post chunk c (pack, then the peer batches in round order), then drain chunk c - depth + 1.
 
         On CUDA a drain only orders streams and queues the unpacking: staging reuse is safe by stream order,
         so the host never waits for the wire here. It confirms finished chunks lazily (for timeouts and
-        the trace) and blocks only when too much work is queued. On CPU transports a drain waits."""
+        the trace) and blocks only when too much work is queued. On CPU transports a drain waits.
+        The local copies go first: a kernel launched for the first time while an NCCL kernel waits for a
+        stuck peer can block the host in CUDA's lazy module loading, before any deadline can fire (seen on
+        H200 when they followed the first chunk)."""
+        sources, targets = bound.tensors(SOURCE), bound.tensors(TARGET)
         in_flight: deque[tuple[int, list[_Posted]]] = deque()
         unconfirmed: deque[tuple[int, list[_Posted], int]] = deque()
         n = len(work)
         keep = 0 if self.config.trace else _RUN_AHEAD_CHUNKS
+        if local:
+            self._copy_local(sources, targets)
         for index, chunk in enumerate(work):
             self._confirm(unconfirmed, keep, n, trace, start)
-            in_flight.append((index, self._post(index, chunk, local, arena.slot(index), trace, start)))
+            prepared = first if index == 0 and first is not None else self._prepare(index, chunk, bound)
+            in_flight.append((index, self._post(index, prepared, sources, trace, start)))
             if len(in_flight) >= self.config.pipeline_depth:
-                self._drain(*in_flight.popleft(), local, unconfirmed, n, trace, start)
+                self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
         while in_flight:
-            self._drain(*in_flight.popleft(), local, unconfirmed, n, trace, start)
+            self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
         self._confirm(unconfirmed, 0, n, trace, start)
 
-    def _post(
-        self,
-        index: int,
-        chunk: tuple[BatchWork, ...],
-        local: LocalTensors,
-        slot: torch.Tensor,
-        trace: list[TraceEvent],
-        start: float,
-    ) -> list[_Posted]:
-        offset = 0
-        posted = []
-        buffers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        for b in chunk:
-            p = _Posted(b, [])
-            sends, recvs = [], []
-            for wire in b.sends:
-                if local.in_place(SOURCE, wire):
-                    sends.append(local.bytes_of(SOURCE, wire))
-                    continue
-                staging = slot[offset : offset + wire.nbytes]
-                offset += aligned(wire.nbytes)
-                for piece in wire.pieces:
-                    typed_view(staging, piece.offset, piece.dtype, piece.shape).copy_(
-                        local.view(SOURCE, piece)
-                    )
-                sends.append(staging)
-            for wire in b.recvs:
-                if local.in_place(TARGET, wire):
-                    recvs.append(local.bytes_of(TARGET, wire))
-                    continue
-                staging = slot[offset : offset + wire.nbytes]
-                offset += aligned(wire.nbytes)
-                p.unpack.append((wire, staging))
-                recvs.append(staging)
-            posted.append(p)
-            buffers.append((sends, recvs))
-        for p, (sends, recvs) in zip(posted, buffers, strict=True):
-            peer = p.work.batch.peer
-            send_ops = [self._p2p(dist.isend, buf, peer, index, k) for k, buf in enumerate(sends)]
-            recv_ops = [self._p2p(dist.irecv, buf, peer, index, k) for k, buf in enumerate(recvs)]
+    def _copy_local(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
+        for c in self._local_copies:
+            region(targets, c.dst, c.dst_box).copy_(region(sources, c.src, c.src_box))
+
+    def _prepare(self, index: int, chunk: tuple[Step, ...], bound: LocalTensors) -> list[_Prepared]:
+        """The ops of one chunk, per peer batch (host work only)."""
+        sources, targets = bound.tensors(SOURCE), bound.tensors(TARGET)
+        out = []
+        for step in chunk:
+            peer = step.work.batch.peer
+            send_ops = [
+                self._p2p(dist.isend, buffer(m, sources), peer, index, k) for k, m in enumerate(step.sends)
+            ]
+            recv_ops = [
+                self._p2p(dist.irecv, buffer(m, targets), peer, index, k) for k, m in enumerate(step.recvs)
+            ]
             if self.config.one_batch_per_peer:
                 groups = [send_ops + recv_ops]
             else:
@@ -357,8 +393,26 @@ class P2PExchange:
                     send_ops[k : k + 1] + recv_ops[k : k + 1]
                     for k in range(max(len(send_ops), len(recv_ops)))
                 ]
-            p.works = [w for g in groups for w in dist.batch_isend_irecv(g) if w is not None]
-            self._trace(trace, start, index, p.work, "enqueued")
+            out.append(_Prepared(step, groups))
+        return out
+
+    def _post(
+        self,
+        index: int,
+        prepared: list[_Prepared],
+        sources: Mapping[str, torch.Tensor],
+        trace: list[TraceEvent],
+        start: float,
+    ) -> list[_Posted]:
+        for p in prepared:
+            for m in p.step.sends:
+                for part in m.parts:
+                    part.staging.copy_(region(sources, part.name, part.box))
+        posted = []
+        for p in prepared:
+            works = [w for g in p.groups for w in dist.batch_isend_irecv(g) if w is not None]
+            posted.append(_Posted(p.step, works))
+            self._trace(trace, start, index, p.step.work, "enqueued")
         return posted
 
     def _p2p(self, kind: Callable, buffer: torch.Tensor, peer: int, chunk: int, k: int) -> dist.P2POp:
@@ -370,7 +424,7 @@ class P2PExchange:
         self,
         index: int,
         posted: list[_Posted],
-        local: LocalTensors,
+        targets: Mapping[str, torch.Tensor],
         unconfirmed: deque[tuple[int, list[_Posted], int]],
         n_chunks: int,
         trace: list[TraceEvent],
@@ -384,14 +438,10 @@ class P2PExchange:
             else:
                 self._await(p, index, n_chunks)
                 self._trace(trace, start, index, p.work, "drained")
-            for wire, staging in p.unpack:
-                for piece in wire.pieces:
-                    local.view(TARGET, piece).copy_(
-                        typed_view(staging, piece.offset, piece.dtype, piece.shape)
-                    )
-                    launches += 1
-            launches += len(p.works)
-            p.unpack.clear()
+            for m in p.step.recvs:
+                for part in m.parts:
+                    region(targets, part.name, part.box).copy_(part.staging)
+            launches += len(p.works) + p.step.copies
         if self._polls:
             unconfirmed.append((index, posted, launches))
 
@@ -455,15 +505,6 @@ def _local_shards(layout: Layout, rank: int) -> dict[str, tuple[tuple[int, ...],
         if box is not None:
             out[p.name] = (box.lengths, torch_dtype(p.dtype))
     return out
-
-
-def _staging(chunk: tuple[BatchWork, ...], local: LocalTensors) -> int:
-    """Staging bytes one chunk needs on this rank: every message that cannot move in place."""
-    total = 0
-    for b in chunk:
-        total += sum(aligned(w.nbytes) for w in b.sends if not local.in_place(SOURCE, w))
-        total += sum(aligned(w.nbytes) for w in b.recvs if not local.in_place(TARGET, w))
-    return total
 
 
 def _names(work: tuple[tuple[BatchWork, ...], ...], *, sending: bool) -> set[str]:
