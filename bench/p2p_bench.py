@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime when not installed)
 
-from colocate_runtime.p2p.chunks import DIRECT_MIN_BYTES, assign_chunks  # noqa: E402
+from colocate_runtime.p2p.chunks import DIRECT_MIN_BYTES, plan_chunks, shard_shapes  # noqa: E402
 from colocate_runtime.p2p.config import ExecutorConfig  # noqa: E402
 from colocate_runtime.p2p.executor import P2PExchange  # noqa: E402
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box  # noqa: E402
@@ -281,7 +281,13 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) 
         senders, receivers = layouts(scenario, tensors)
         start = time.perf_counter()
         plan = build_plan(senders, receivers)
-        chunk_plan = assign_chunks(plan, config.chunk_capacity)
+        chunk_plan = plan_chunks(
+            plan,
+            config.budget_bytes,
+            config.pipeline_depth,
+            shard_shapes(senders, receivers),
+            config.direct_min_bytes,
+        )
         plan_s = time.perf_counter() - start
         per_dir = max(
             max(plan.sent_bytes().values(), default=0), max(plan.received_bytes().values(), default=0)

@@ -13,20 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate_runtime.p2p.chunks import Message, PeerBatch, RankSchedule
+from colocate_runtime.p2p.chunks import Message, PeerBatch, RankSchedule, is_dense_in
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.shards import Box, ShardError
 
 SOURCE, TARGET = "source", "target"
-
-
-def is_dense_in(box: Box, shape: tuple[int, ...]) -> bool:
-    """Whether `box` of a row-major dense tensor of `shape` is itself one dense run of memory."""
-    d = len(shape) - 1
-    while d >= 0 and box.offsets[d] == 0 and box.lengths[d] == shape[d]:
-        d -= 1
-    return all(box.lengths[i] == 1 for i in range(d))
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,10 @@ the same chunks and the same packed-buffer offsets for each (sender, receiver) p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.peers import meeting_round
 from colocate_runtime.p2p.plan import Plan, PlanError, Transfer
 from colocate_runtime.shards import Box, dtype_bytes, stable_hash
@@ -29,6 +31,14 @@ DIRECT_MIN_BYTES = 4 << 20
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def is_dense_in(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether `box` of a row-major dense tensor of `shape` is itself one dense run of memory."""
+    d = len(shape) - 1
+    while d >= 0 and box.offsets[d] == 0 and box.lengths[d] == shape[d]:
+        d -= 1
+    return all(box.lengths[i] == 1 for i in range(d))
 
 
 def split_transfer(transfer: Transfer, capacity: int) -> list[Transfer]:
@@ -246,3 +256,58 @@ def rank_schedule(
         chunks.append(RankChunk(index, tuple(batches)))
     local = tuple(t for t in chunk_plan.local if t.dst == rank)
     return RankSchedule(rank, world, chunk_plan.capacity, local, tuple(chunks))
+
+
+def shard_shapes(senders: Layout, receivers: Layout) -> dict[tuple[str, int, bool], tuple[int, ...]]:
+    """Every rank's shard shape per parameter and side (True: sending), for `staged_peak`."""
+    return {
+        (p.name, rank, sending): box.lengths
+        for layout, sending in ((senders, True), (receivers, False))
+        for p in layout.params
+        for rank, box in p.shards
+    }
+
+
+def staged_peak(
+    chunk_plan: ChunkPlan,
+    shards: Mapping[tuple[str, int, bool], tuple[int, ...]],
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> int:
+    """The most staging any rank needs for one chunk if its tensors are dense: packed messages on both
+    ends, and own messages whose slice is not one dense run at that end (or, sending, needs a cast).
+    `shards[(name, rank, sending)]` is that rank's shard shape. Pure metadata, so every rank gets the same."""
+    peak = 0
+    for pieces in chunk_plan.chunks:
+        used: dict[int, int] = {}
+        for t in pieces:
+            b = aligned(t.wire_bytes)
+            small = t.wire_bytes < direct_min_bytes
+            if (
+                small
+                or t.src_dtype != t.dst_dtype
+                or not is_dense_in(t.src_box, shards[(t.name, t.src, True)])
+            ):
+                used[t.src] = used.get(t.src, 0) + b
+            if small or not is_dense_in(t.dst_box, shards[(t.name, t.dst, False)]):
+                used[t.dst] = used.get(t.dst, 0) + b
+        peak = max(peak, *used.values(), 0)
+    return peak
+
+
+def plan_chunks(
+    plan: Plan,
+    budget: int,
+    depth: int,
+    shards: Mapping[tuple[str, int, bool], tuple[int, ...]],
+    direct_min_bytes: int = DIRECT_MIN_BYTES,
+) -> ChunkPlan:
+    """Chunks of the whole budget when the plan moves (almost) everything in place, else of budget / depth.
+
+    The budget bounds the staging a rank holds. With `depth` chunks in flight each needs its own staging, so
+    a plan that stages much gets chunks of budget / depth. One that stages at most budget / depth per chunk
+    can take whole-budget chunks and still pipeline `depth` deep within the budget: half the chunk rounds,
+    and each round costs the wire a kernel boundary (~15 us on H200 NVLink)."""
+    whole = assign_chunks(plan, budget)
+    if depth > 1 and staged_peak(whole, shards, direct_min_bytes) * depth <= budget:
+        return whole
+    return assign_chunks(plan, budget // depth)

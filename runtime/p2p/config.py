@@ -23,7 +23,9 @@ class ExecutorConfig:
     """How the executor may use memory and time.
 
     budget_bytes: bound on the staging one rank holds at once (packed send and receive buffers of all peers,
-        in the receiver's dtype). With `pipeline_depth` chunks in flight, each chunk gets budget / depth.
+        in the receiver's dtype) and on the bytes it sends plus receives in one chunk. With `pipeline_depth`
+        chunks in flight, each chunk gets budget / depth, unless the plan stages so little that whole-budget
+        chunks still fit `depth` slots of staging (`chunks.plan_chunks`).
     pipeline_depth: chunks in flight; 2 lets packing of the next chunk overlap the wire of the current one.
     timeout_s: longest wait for one peer batch to drain before the run fails naming that peer.
     trace: record (and log at INFO) when each peer batch is enqueued and drained.
@@ -31,7 +33,7 @@ class ExecutorConfig:
         tensor is dense (and, sending, already in the wire dtype); smaller ones are packed per peer.
     one_batch_per_peer: all messages with one peer in one chunk go in one batch_isend_irecv; False posts
         message k of both directions as its own batch (for measurements; both ends must agree).
-    Ranks agree on the smallest budget and the smallest direct_min_bytes configured among them.
+    Ranks agree on the smallest budget and direct_min_bytes and the largest pipeline_depth configured.
     """
 
     budget_bytes: int = 1 << 30
@@ -53,10 +55,6 @@ class ExecutorConfig:
             raise ValueError(f"direct_min_bytes must be positive, got {self.direct_min_bytes}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-
-    @property
-    def chunk_capacity(self) -> int:
-        return self.budget_bytes // self.pipeline_depth
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> ExecutorConfig:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Spec, resolve
-from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, assign_chunks, rank_schedule
+from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, plan_chunks, rank_schedule, shard_shapes
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
@@ -104,6 +104,7 @@ class P2PExchange:
         group: dist.ProcessGroup | None,
         device: torch.device,
         config: ExecutorConfig,
+        budget: int | None = None,
     ) -> None:
         self.senders = senders
         self.receivers = receivers
@@ -113,6 +114,7 @@ class P2PExchange:
         self.group = group
         self.device = device
         self.config = config
+        self.budget = budget if budget is not None else config.budget_bytes  # agreed: the smallest configured
         self.rank = schedule.rank
         self.world = schedule.world
         self._deadlines = Deadlines(group, self.rank, config.timeout_s)
@@ -174,15 +176,16 @@ class P2PExchange:
         except ShardError as exc:
             error = exc
         # One MAX all-reduce: failure flags and digests in per-rank slots, negated settings for a MIN.
-        votes = torch.zeros(2 * world + 2, dtype=torch.int64, device=device)
+        votes = torch.zeros(2 * world + 3, dtype=torch.int64, device=device)
         votes[rank] = int(error is not None)
         votes[world + rank] = digest
-        votes[2 * world] = -config.chunk_capacity
+        votes[2 * world] = -config.budget_bytes
         votes[2 * world + 1] = -config.direct_min_bytes
+        votes[2 * world + 2] = config.pipeline_depth
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         values = votes.tolist()
         flags, digests = values[:world], values[world : 2 * world]
-        capacity, direct_min = -values[2 * world], -values[2 * world + 1]
+        budget, direct_min, depth = -values[2 * world], -values[2 * world + 1], values[2 * world + 2]
         if error is not None:
             raise error
         failed = [r for r, f in enumerate(flags) if f]
@@ -194,7 +197,7 @@ class P2PExchange:
                 by_digest.setdefault(d, []).append(r)
             groups = "; ".join(f"{d:015x}: ranks {rs}" for d, rs in sorted(by_digest.items()))
             raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
-        chunk_plan = assign_chunks(plan, capacity)
+        chunk_plan = plan_chunks(plan, budget, depth, shard_shapes(senders, receivers), direct_min)
         exchange = cls(
             senders=senders,
             receivers=receivers,
@@ -204,6 +207,7 @@ class P2PExchange:
             group=group,
             device=device,
             config=config,
+            budget=budget,
         )
         exchange._connect()
         return exchange
@@ -248,7 +252,7 @@ class P2PExchange:
             trace: list[TraceEvent] = []
             program.arena.acquire()
             try:
-                self._exchange(work, bound, trace, start, local, first)
+                self._exchange(work, bound, trace, start, local, program.depth, first)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
             except BaseException:
@@ -286,7 +290,9 @@ class P2PExchange:
         key = signature(bound, self._movable)
         program = self._programs.get(key)
         if program is None:
-            program = Program(self._work, bound, self._shapes, self.config.pipeline_depth, self.device)
+            program = Program(
+                self._work, bound, self._shapes, self.config.pipeline_depth, self.budget, self.device
+            )
             self._programs[key] = program
         return program
 
@@ -341,6 +347,7 @@ class P2PExchange:
         trace: list[TraceEvent],
         start: float,
         local: bool,
+        depth: int,
         first: list[_Prepared] | None = None,
     ) -> None:
         """Post chunk c (pack, then the peer batches in round order), then drain chunk c - depth + 1.
@@ -348,9 +355,9 @@ class P2PExchange:
         On CUDA a drain only orders streams and queues the unpacking: staging reuse is safe by stream order,
         so the host never waits for the wire here. It confirms finished chunks lazily (for timeouts and
         the trace) and blocks only when too much work is queued. On CPU transports a drain waits.
-        The local copies go first: a kernel launched for the first time while an NCCL kernel waits for a
-        stuck peer can block the host in CUDA's lazy module loading, before any deadline can fire (seen on
-        H200 when they followed the first chunk)."""
+        The local copies go first: queued behind a first chunk whose peer was stuck, a copy blocked the
+        host inside the launch (seen on H200; probably CUDA's lazy loading of a kernel used for the first
+        time), where no deadline can fire."""
         sources, targets = bound.tensors(SOURCE), bound.tensors(TARGET)
         in_flight: deque[tuple[int, list[_Posted]]] = deque()
         unconfirmed: deque[tuple[int, list[_Posted], int]] = deque()
@@ -362,7 +369,7 @@ class P2PExchange:
             self._confirm(unconfirmed, keep, n, trace, start)
             prepared = first if index == 0 and first is not None else self._prepare(index, chunk, bound)
             in_flight.append((index, self._post(index, prepared, sources, trace, start)))
-            if len(in_flight) >= self.config.pipeline_depth:
+            if len(in_flight) >= depth:
                 self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
         while in_flight:
             self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)

@@ -95,10 +95,17 @@ class Program:
         local: LocalTensors,
         shapes: Mapping[str, Mapping[str, tuple[int, ...]]],
         depth: int,
+        budget: int,
         device: torch.device,
     ) -> None:
         staged = [_staged_bytes(chunk, local) for chunk in work]
         depth = max(1, min(depth, len(work)))
+        # The staging of `depth` chunks in flight must fit the budget. It does by construction for chunks of
+        # budget / depth; whole-budget chunks were chosen for dense tensors, so non-contiguous ones may need
+        # a shallower pipeline. One slot always fits: a chunk stages at most its budgeted bytes.
+        while depth > 1 and sum(aligned(max(staged[s::depth])) for s in range(depth)) > budget:
+            depth -= 1
+        self.depth = depth
         self.arena = Arena([max(staged[s::depth], default=0) for s in range(depth)], device)
         self.chunks: list[tuple[Step, ...]] = []
         for index, chunk in enumerate(work):

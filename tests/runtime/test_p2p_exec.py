@@ -135,6 +135,27 @@ def test_budget_smaller_than_one_tensor() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("strided", [False, True])
+def test_in_place_plan_takes_whole_budget_chunks_and_stays_within_the_budget(strided: bool) -> None:
+    """Dense slices in one dtype move in place, so chunks take the whole budget; targets that turn out
+    strided at run time need staging after all: the pipeline gets shallower, staging stays in the budget."""
+    scenario = Scenario(
+        dense_model(layers=2),
+        {"tp": 1},
+        {"tp": 1, "ranks": [1]},
+        budget_bytes=2048,
+        direct_min_bytes=16,
+        strided_targets=strided,
+        runs=2,
+    )
+    reports = check_reshard(run_world(reshard_worker, 2, scenario), scenario)
+    assert {r["capacity"] for r in reports} == {2048}
+    assert reports[0]["n_chunks"] >= 2
+    if strided:
+        assert max(reports[1]["staging_bytes"]) > 2048 // 2  # more than one slot of budget / depth
+
+
+@pytest.mark.timeout(60)
 def test_ranks_configured_with_different_budgets_agree_on_the_smallest() -> None:
     scenario = Scenario(
         dense_model(layers=2),

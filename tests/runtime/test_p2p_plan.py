@@ -10,7 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colocate_runtime.p2p.chunks import ALIGN, aligned, assign_chunks, rank_schedule, split_transfer
+from colocate_runtime.p2p.chunks import (
+    ALIGN,
+    aligned,
+    assign_chunks,
+    plan_chunks,
+    rank_schedule,
+    shard_shapes,
+    split_transfer,
+    staged_peak,
+)
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box, split_extent
 from colocate_runtime.p2p.peers import meeting_round, num_rounds, partner
@@ -358,7 +367,7 @@ def test_large_slices_get_messages_of_their_own_and_small_ones_are_packed() -> N
 
 
 def test_dense_boxes_are_single_runs_of_row_major_memory() -> None:
-    from colocate_runtime.p2p.binding import is_dense_in
+    from colocate_runtime.p2p.binding import is_dense_in  # re-exported from chunks
 
     shape = (4, 6, 8)
     assert is_dense_in(Box((1, 0, 0), (2, 6, 8)), shape)  # whole rows of the outer dim
@@ -367,3 +376,22 @@ def test_dense_boxes_are_single_runs_of_row_major_memory() -> None:
     assert not is_dense_in(Box((0, 0, 0), (4, 3, 8)), shape)  # half of every outer index
     assert not is_dense_in(Box((1, 2, 0), (2, 3, 8)), shape)
     assert is_dense_in(Box((), ()), ())
+
+
+def test_chunks_take_the_whole_budget_only_when_little_is_staged() -> None:
+    """Rows move in place (dense at both ends, one dtype): whole-budget chunks, half the rounds. Columns are
+    strided at both ends and small pieces are packed: chunks of budget / depth, as the staging needs."""
+    shape = (64, 64)  # bf16 rows of 128 B, 8 KiB in all
+    rows = Layout.of([param("w", shape, [(0, Box.full(shape))])])
+    moved = Layout.of([param("w", shape, [(1, Box.full(shape))])])
+    plan = build_plan(rows, moved)
+    shards = shard_shapes(rows, moved)
+    assert staged_peak(assign_chunks(plan, 2048), shards, direct_min_bytes=64) == 0
+    assert plan_chunks(plan, 2048, 2, shards, direct_min_bytes=64).capacity == 2048
+    assert plan_chunks(plan, 2048, 2, shards, direct_min_bytes=1 << 20).capacity == 1024  # all packed
+    columns = Layout.of([param("w", shape, [(0, split_box(shape, 1, 2, 0)), (1, split_box(shape, 1, 2, 1))])])
+    on_2 = Layout.of([param("w", shape, [(2, Box.full(shape))])])
+    plan = build_plan(columns, on_2)
+    shards = shard_shapes(columns, on_2)
+    assert staged_peak(assign_chunks(plan, 2048), shards, direct_min_bytes=64) > 1024
+    assert plan_chunks(plan, 2048, 2, shards, direct_min_bytes=64).capacity == 1024
