@@ -11,6 +11,7 @@ setup:
 
 lint: setup
 	@.venv/bin/ruff check .
+	@.venv/bin/ruff format --check .
 
 ## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
 test: lint

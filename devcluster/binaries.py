@@ -29,9 +29,7 @@ def find_bin_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
         directory = Path(chosen)
         gone = _missing(directory)
         if gone:
-            raise MissingBinaries(
-                f"{directory} lacks {', '.join(gone)}; run `make setup` to build them"
-            )
+            raise MissingBinaries(f"{directory} lacks {', '.join(gone)}; run `make setup` to build them")
         return directory
     candidates = sorted(CACHE_ROOT.glob("bin-*"), key=lambda p: p.stat().st_mtime, reverse=True)
     for directory in candidates:
