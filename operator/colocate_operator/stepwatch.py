@@ -33,12 +33,17 @@ from colocate_runtime.colocated.events import EventError, decode, stream_key
 
 log = logging.getLogger("colocate_operator.steps")
 
-READ_BLOCK_MS = 1000  # wake at least once a second: stop requests and stall checks are never late
+# An XREAD blocks until new entries or the next moment a decision is due without them (progress deadline,
+# heartbeat, write retry), and at most this long: every wake-up is a Redis round trip per job, which at
+# hundreds of jobs costs the operator a share of a core. Stopping cancels the task instead of waiting.
+READ_BLOCK_MAX_SECONDS = 10.0
+READ_BLOCK_MIN_SECONDS = 0.05
 READ_COUNT = 100  # entries per XREAD: bounds what a lagging follower holds decoded at once
 HEARTBEAT_SECONDS = 15.0  # a phase-only change waits at most this long to reach status
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
 MAX_BACKOFF = 30.0
 WRITE_RETRY_SECONDS = 10.0
+CONFLICT_RETRY_SECONDS = 1.0
 
 
 class JobGone(Exception):
@@ -129,10 +134,11 @@ async def follow(
                         host=host,
                         port=int(port),
                         password=password,
-                        socket_timeout=READ_BLOCK_MS / 1000 + 5,
+                        socket_timeout=READ_BLOCK_MAX_SECONDS + 5,
                         socket_connect_timeout=5,
                     )
-                reply = await client.xread({key: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
+                block = block_seconds(tracker, writes, sync.progress_deadline_seconds, time.time())
+                reply = await client.xread({key: last_id}, count=READ_COUNT, block=round(block * 1000))
                 backoff = 1.0
             except (RedisError, OSError, LookupError, ValueError, kube.KubeError) as e:
                 log.warning(
@@ -179,6 +185,18 @@ async def follow(
             await client.aclose()
 
 
+def block_seconds(tracker: StepTracker, writes: _Writes, deadline: float, now: float) -> float:
+    """How long the next XREAD may block: until the next status decision that needs no new entry."""
+    dues = [now + READ_BLOCK_MAX_SECONDS]
+    if not writes.written_stalled and tracker.final_result is None and tracker.last_progress_ts is not None:
+        dues.append(tracker.last_progress_ts + deadline)  # the stall that would then be written
+    if writes.dirty:
+        dues.append(writes.retry_at)
+    if tracker.current_phase != writes.written_phase:
+        dues.append(max(writes.retry_at, writes.last_write + HEARTBEAT_SECONDS))
+    return min(READ_BLOCK_MAX_SECONDS, max(READ_BLOCK_MIN_SECONDS, min(dues) - now))
+
+
 def _record_metrics(namespace: str, name: str, tracker: StepTracker, before: tuple[int | None, int]) -> None:
     if tracker.last_completed_step != before[0] and tracker.last_completed_step is not None:
         metrics.LAST_COMPLETED_STEP.labels(namespace, name).set(tracker.last_completed_step)
@@ -207,6 +225,7 @@ async def _maybe_write(
     if not (writes.dirty or heartbeat_due or stalled != writes.written_stalled):
         return
     if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline):
+        writes.retry_at = now + CONFLICT_RETRY_SECONDS  # lost every try to other writers: back off a little
         return
     writes.dirty = False
     newly_stalled = stalled and not writes.written_stalled
@@ -295,10 +314,12 @@ class StepWatchers:
         entry = self._running.get((namespace, name))
         if entry is not None:
             entry[1].set()
+            entry[0].cancel()  # it may be blocked in XREAD for seconds
 
     async def stop_all(self, timeout: float = 10.0) -> None:
-        for _, flag in self._running.values():
+        for task, flag in self._running.values():
             flag.set()
+            task.cancel()
         tasks = [task for task, _ in self._running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)

@@ -208,3 +208,23 @@ def test_operator_reasons_are_the_runtime_reasons() -> None:
     assert {getattr(Reason, n) for n in dir(Reason) if getattr(Reason, n) in ev.PREFLIGHT_REASONS} == set(
         ev.PREFLIGHT_REASONS
     )
+
+
+def test_a_follower_blocks_until_the_next_decision_it_must_make_without_new_entries() -> None:
+    from colocate_operator.stepwatch import HEARTBEAT_SECONDS, READ_BLOCK_MAX_SECONDS, _Writes, block_seconds
+
+    tracker = StepTracker(expected_gpus=1)
+    tracker.last_progress_ts = 1000.0
+    writes = _Writes(written_phase=tracker.current_phase)
+    # Nothing due before the cap: a long block, one Redis round trip per job per cap at most.
+    assert block_seconds(tracker, writes, 600, 1000.0) == READ_BLOCK_MAX_SECONDS
+    # The progress deadline comes first: wake then to write the stall.
+    assert block_seconds(tracker, writes, 3, 1001.0) == 2.0
+    writes.written_stalled = True
+    assert block_seconds(tracker, writes, 3, 1005.0) == READ_BLOCK_MAX_SECONDS, "already written: no spin"
+    # A phase change not yet in status waits for the heartbeat.
+    writes.written_phase, writes.last_write = "something else", 996.0
+    assert block_seconds(tracker, writes, 3, 1005.0) == 996.0 + HEARTBEAT_SECONDS - 1005.0
+    # A refused write is retried when its backoff ends, never in a tight loop.
+    writes.dirty, writes.retry_at = True, 1004.0
+    assert block_seconds(tracker, writes, 3, 1005.0) > 0
