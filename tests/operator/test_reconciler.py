@@ -140,7 +140,10 @@ def test_bring_up_and_idle_passes_write_nothing(api: FakeKube, reconciler: Recon
 
 
 def test_secret_data_is_never_read(api: FakeKube, reconciler: Reconciler) -> None:
+    now = [0.0]
+    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
     bring_up(api, reconciler)
+    now[0] += 121  # the resync's pass reads every child again
     reconciler.reconcile("ns", "demo")
     secret_reads = [c for c in api.calls if c[:2] == ("get", "secrets")]
     assert secret_reads and api.metadata_only.count("secrets") == len(secret_reads)
@@ -220,3 +223,16 @@ def test_a_child_deleted_behind_the_operators_back_is_recreated_by_the_resync(
     now[0] += 121
     reconciler.reconcile("ns", "demo")
     assert ("services", "ns", "demo") in api.objects
+
+
+def test_a_new_job_creates_its_children_without_reading_them_first(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    api.put(kube.SERVICES, {"metadata": {"name": "demo", "namespace": "ns"}})  # someone else's, same name
+    reconciler.reconcile("ns", "demo")
+    child_reads = [c for c in api.calls if c[0] == "get" and c[1] not in ("colocatejobs", "deviceclasses")]
+    assert child_reads == [], "a job without status has no children of its own yet"
+    assert ("create", "services", "demo") in api.calls  # answered 409: it exists
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert ("get", "services", "demo") in api.calls, "the next pass looks at what answered 409"
