@@ -47,6 +47,15 @@ CHILD_EVENT_BATCH_SECONDS = 0.5
 _ROUTINE = re.compile(r"^Handler '(job|pod|metastore|steps)' succeeded\.$")
 
 
+class EventOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf deep-copies every watched object on every event to build the "essence" its create/update
+    handlers diff against: a fifth of the operator's CPU at 250 jobs (profiled), most of it pod bodies. This
+    operator registers event handlers only, which never look at that diff, so the essence stays empty."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+
 class _DropRoutineSuccess(logging.Filter):
     """kopf logs every watched pod (and job) event as "succeeded" at INFO; with many jobs that is noise."""
 
@@ -65,7 +74,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         settings.posting.reporting_component = OPERATOR_NAME
         # Nothing is stored by kopf today (event handlers only); should that change, under our prefix.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        settings.persistence.diffbase_storage = EventOnlyDiffBase(
             prefix=KOPF_PREFIX, key="last-handled-configuration"
         )
         settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: nothing requires one
