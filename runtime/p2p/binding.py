@@ -92,7 +92,10 @@ Spec = tuple[str, tuple[int, ...], torch.dtype, bool]
 
 
 class LocalTensors:
-    """This rank's sources and targets for one run, each checked once against its shard."""
+    """This rank's sources and targets for one run, each checked once against its shard.
+
+    `signature` is what a run program depends on besides the plan, found in the same pass: which tensors of
+    movable messages are dense, in the order of the specs."""
 
     def __init__(
         self,
@@ -103,6 +106,7 @@ class LocalTensors:
     ) -> None:
         self._tensors: dict[str, dict[str, torch.Tensor]] = {SOURCE: {}, TARGET: {}}
         self._dense: dict[str, dict[str, bool]] = {SOURCE: {}, TARGET: {}}
+        signature: list[bool] = []
         for kind in (SOURCE, TARGET):
             given, out, dense = tensors[kind], self._tensors[kind], self._dense[kind]
             for name, shape, dtype, movable in specs[kind]:
@@ -118,12 +122,11 @@ class LocalTensors:
                 out[name] = tensor
                 if movable:
                     dense[name] = tensor.is_contiguous()
+                    signature.append(dense[name])
+        self.signature = tuple(signature)
 
     def in_place(self, kind: str, wire: Wire) -> bool:
         return wire.movable and self._dense[kind][wire.pieces[0].name]
-
-    def dense(self, kind: str, name: str) -> bool:
-        return self._dense[kind][name]
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         return self._tensors[kind]

@@ -28,7 +28,7 @@ from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
-from colocate_runtime.p2p.program import Program, Step, buffer, local_copies, region, signature
+from colocate_runtime.p2p.program import Program, Step, buffer, copy_all, local_copies, region
 from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.p2p.waiting import Deadlines
 from colocate_runtime.shards import ShardError
@@ -143,6 +143,18 @@ class P2PExchange:
         # The per-run checks, worked out once: with and without the plan's local copies.
         self._specs = {local: self._checks(needed if local else self._remote) for local in (True, False)}
         self._programs: dict[tuple[bool, ...], Program] = {}
+        # The start vote, by whether this rank failed to bind: ballots in page-locked memory on CUDA, so a run
+        # starts the vote with an asynchronous copy instead of building and copying a tensor.
+        pinned = device.type == "cuda"
+        self._ballots = tuple(
+            torch.tensor(
+                [int(failed and r == self.rank) for r in range(self.world)] + [len(self._work)],
+                dtype=torch.int64,
+                pin_memory=pinned,
+            )
+            for failed in (False, True)
+        )
+        self._votes = torch.empty(self.world + 1, dtype=torch.int64, device=device)
         self._local_copies = local_copies(schedule.local, self._shapes[SOURCE], self._shapes[TARGET])
         self._bytes_sent = _payload(schedule, sending=True)
         self._bytes_received = _payload(schedule, sending=False)
@@ -236,21 +248,27 @@ class P2PExchange:
                 )
             except ShardError as exc:
                 error = exc
-            votes, vote = self._vote(failed=error is not None)
+            vote = self._vote(failed=error is not None)
             first = None
             if bound is not None:
-                # Host work for the first chunk while the vote is on its way: views and ops only, nothing
-                # touches the GPU before every rank has agreed.
+                # While the vote is on its way: the first chunk's ops, and its packing into this rank's own
+                # staging. Nothing leaves the rank and no target changes before every rank has agreed.
                 program = self._program(bound)
+                program.arena.acquire()
                 if program.chunks:
                     first = self._prepare(0, program.chunks[0], bound)
-            n_chunks = self._tally(votes, vote, failed=error is not None)
+                    self._pack(first, bound.tensors(SOURCE))
+            try:
+                n_chunks = self._tally(vote, failed=error is not None)
+            except BaseException:
+                if bound is not None:
+                    program.arena.release()  # freed in stream order: after the packing copies
+                raise
             if error is not None:
                 raise error
             assert bound is not None
             work = list(program.chunks) + [() for _ in range(len(program.chunks), n_chunks)]
             trace: list[TraceEvent] = []
-            program.arena.acquire()
             try:
                 self._exchange(work, bound, trace, start, local, program.depth, first)
                 if self.device.type == "cuda":
@@ -287,29 +305,26 @@ class P2PExchange:
         }
 
     def _program(self, bound: LocalTensors) -> Program:
-        key = signature(bound, self._movable)
-        program = self._programs.get(key)
+        program = self._programs.get(bound.signature)
         if program is None:
             program = Program(
                 self._work, bound, self._shapes, self.config.pipeline_depth, self.budget, self.device
             )
-            self._programs[key] = program
+            self._programs[bound.signature] = program
         return program
 
     # -- agreement -----------------------------------------------------------------------------------------
 
-    def _vote(self, *, failed: bool) -> tuple[torch.Tensor, dist.Work]:
+    def _vote(self, *, failed: bool) -> dist.Work:
         """Start one MAX all-reduce: who failed to bind, and the chunk count every rank will walk."""
-        ballot = [0] * (self.world + 1)
-        ballot[self.rank], ballot[self.world] = int(failed), len(self._work)
-        votes = torch.tensor(ballot, dtype=torch.int64).to(self.device)
-        work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._votes.copy_(self._ballots[failed], non_blocking=True)
+        work = dist.all_reduce(self._votes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         assert work is not None
-        return votes, work
+        return work
 
-    def _tally(self, votes: torch.Tensor, work: dist.Work, *, failed: bool) -> int:
+    def _tally(self, work: dist.Work, *, failed: bool) -> int:
         self._deadlines.wait_for_group([work], "the all-reduce that starts the run")
-        values = votes.tolist()
+        values = self._votes.tolist()
         bad = [r for r, f in enumerate(values[: self.world]) if f]
         if bad and not failed:
             raise P2PError(f"rank {self.rank}: rank(s) {bad} rejected their local tensors; nothing was sent")
@@ -320,6 +335,7 @@ class P2PExchange:
         joins; done here, where every rank has just met, a later stall shows up in a wait we can time."""
         if not self._polls:
             return
+        self._load_copy_kernels()
         peers = {b.peer: b.round for c in self.schedule.chunks for b in c.batches}
         for peer, round_ in sorted(peers.items(), key=lambda item: item[1]):
             out = torch.zeros(_CONNECT_BYTES, dtype=torch.uint8, device=self.device)
@@ -337,6 +353,20 @@ class P2PExchange:
                 chunk=-1,
                 round_=round_,
             )
+
+    def _load_copy_kernels(self) -> None:
+        """Make every kind of copy a run makes once, now: CUDA loads a kernel on its first launch, and that
+        can block the host while NCCL kernels run (with a stuck peer, where no deadline fires)."""
+        src = {n: dtype for n, (_, dtype) in self._shards[SOURCE].items()}
+        dst = {n: dtype for n, (_, dtype) in self._shards[TARGET].items()}
+        pairs = {(src[c.src], dst[c.dst]) for c in self._local_copies}
+        for chunk in self._work:
+            for b in chunk:
+                pairs |= {(src[p.name], p.dtype) for w in b.sends for p in w.pieces}
+                pairs |= {(p.dtype, dst[p.name]) for w in b.recvs for p in w.pieces}
+        for src_dtype, dst_dtype in pairs:
+            one = torch.zeros(1, dtype=src_dtype, device=self.device)
+            copy_all([torch.empty(1, dtype=dst_dtype, device=self.device)], [one])
 
     # -- the chunk loop ------------------------------------------------------------------------------------
 
@@ -367,8 +397,12 @@ class P2PExchange:
             self._copy_local(sources, targets)
         for index, chunk in enumerate(work):
             self._confirm(unconfirmed, keep, n, trace, start)
-            prepared = first if index == 0 and first is not None else self._prepare(index, chunk, bound)
-            in_flight.append((index, self._post(index, prepared, sources, trace, start)))
+            if index == 0 and first is not None:
+                prepared = first  # prepared and packed while the start vote was on its way
+            else:
+                prepared = self._prepare(index, chunk, bound)
+                self._pack(prepared, sources)
+            in_flight.append((index, self._post(index, prepared, trace, start)))
             if len(in_flight) >= depth:
                 self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
         while in_flight:
@@ -376,8 +410,9 @@ class P2PExchange:
         self._confirm(unconfirmed, 0, n, trace, start)
 
     def _copy_local(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
-        for c in self._local_copies:
-            region(targets, c.dst, c.dst_box).copy_(region(sources, c.src, c.src_box))
+        copies = self._local_copies
+        src = [region(sources, c.src, c.src_box) for c in copies]
+        copy_all([region(targets, c.dst, c.dst_box) for c in copies], src)
 
     def _prepare(self, index: int, chunk: tuple[Step, ...], bound: LocalTensors) -> list[_Prepared]:
         """The ops of one chunk, per peer batch (host work only)."""
@@ -403,18 +438,13 @@ class P2PExchange:
             out.append(_Prepared(step, groups))
         return out
 
+    def _pack(self, prepared: list[_Prepared], sources: Mapping[str, torch.Tensor]) -> None:
+        parts = [part for p in prepared for m in p.step.sends for part in m.parts]
+        copy_all([part.staging for part in parts], [region(sources, part.name, part.box) for part in parts])
+
     def _post(
-        self,
-        index: int,
-        prepared: list[_Prepared],
-        sources: Mapping[str, torch.Tensor],
-        trace: list[TraceEvent],
-        start: float,
+        self, index: int, prepared: list[_Prepared], trace: list[TraceEvent], start: float
     ) -> list[_Posted]:
-        for p in prepared:
-            for m in p.step.sends:
-                for part in m.parts:
-                    part.staging.copy_(region(sources, part.name, part.box))
         posted = []
         for p in prepared:
             works = [w for g in p.groups for w in dist.batch_isend_irecv(g) if w is not None]
@@ -445,9 +475,9 @@ class P2PExchange:
             else:
                 self._await(p, index, n_chunks)
                 self._trace(trace, start, index, p.work, "drained")
-            for m in p.step.recvs:
-                for part in m.parts:
-                    region(targets, part.name, part.box).copy_(part.staging)
+            parts = [part for m in p.step.recvs for part in m.parts]
+            dst = [region(targets, part.name, part.box) for part in parts]
+            copy_all(dst, [part.staging for part in parts])
             launches += len(p.works) + p.step.copies
         if self._polls:
             unconfirmed.append((index, posted, launches))

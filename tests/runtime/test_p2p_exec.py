@@ -7,12 +7,15 @@ of hanging.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import pytest
 import torch
 
+from colocate_runtime.p2p.binding import SOURCE, TARGET, LocalTensors
+from colocate_runtime.shards import ShardError
 from tests.runtime.p2p_helpers import (
     Scenario,
     WorldResult,
@@ -115,6 +118,36 @@ def test_world_of_6_uneven_tp2_pp3_to_tp3_strided_both_sides_depth_1() -> None:
         strided_targets=True,
     )
     check_reshard(run_world(reshard_worker, 6, scenario), scenario)
+
+
+def test_local_tensors_are_checked_and_the_program_signature_found_in_one_pass() -> None:
+    cpu = torch.device("cpu")
+    specs = {
+        SOURCE: (
+            ("a", (4, 6), torch.float32, True),
+            ("b", (3,), torch.bfloat16, False),
+            ("c", (2, 2), torch.float32, True),
+        ),
+        TARGET: (),
+    }
+    good = {
+        "a": torch.zeros(8, 6)[::2],
+        "b": torch.zeros(3, dtype=torch.bfloat16),
+        "c": torch.zeros(2, 2),
+        "unused": torch.zeros(1),
+    }
+    bound = LocalTensors(0, cpu, specs, {SOURCE: good, TARGET: {}})
+    assert bound.signature == (False, True)  # which tensors of movable messages are dense: a no, c yes
+    assert all(bound.tensors(SOURCE)[n] is good[n] for n in "abc")
+    for change, message in (
+        ({"b": None}, "b: rank 0 has no local source tensor for it"),
+        ({"c": torch.zeros(2, 3)}, "c: the local source on rank 0 has shape (2, 3), its shard is [2, 2]"),
+        ({"b": torch.zeros(3)}, "b: the local source on rank 0 is torch.float32, expected torch.bfloat16"),
+        ({"a": torch.empty(4, 6, device="meta")}, "a: the local source on rank 0 is on meta"),
+    ):
+        bad = {n: t for n, t in {**good, **change}.items() if t is not None}
+        with pytest.raises(ShardError, match=re.escape(message)):
+            LocalTensors(0, cpu, specs, {SOURCE: bad, TARGET: {}})
 
 
 @pytest.mark.timeout(60)
