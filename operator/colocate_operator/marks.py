@@ -61,6 +61,3 @@ class EventMarks:
             return False
         marks[key] = mark
         return True
-
-    def __len__(self) -> int:
-        return len(self._jobs) + len(self._pods) + len(self._metastores)

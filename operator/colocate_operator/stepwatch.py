@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ log = logging.getLogger("colocate_operator.steps")
 
 # An XREAD blocks until new entries or the next moment a decision is due without them (progress deadline,
 # heartbeat, write retry), and at most this long: every wake-up is a Redis round trip per job, which at
-# hundreds of jobs costs the operator a share of a core. Stopping cancels the task instead of waiting.
+# hundreds of jobs costs the operator a share of a core. Stopping cancels the task wherever it waits.
 READ_BLOCK_MAX_SECONDS = 10.0
 READ_BLOCK_MIN_SECONDS = 0.05
 READ_COUNT = 100  # entries per XREAD: bounds what a lagging follower holds decoded at once
@@ -105,10 +104,8 @@ def write_status(
     return False
 
 
-async def follow(
-    namespace: str, name: str, api: kube.Kube, config: OperatorConfig, stopped: StopFlag
-) -> None:
-    """Follow one job's stream until stopped (job deleted or operator exiting) or the job is gone."""
+async def follow(namespace: str, name: str, api: kube.Kube, config: OperatorConfig) -> None:
+    """Follow one job's stream until cancelled (job deleted or operator exiting) or the job is gone."""
     body = await asyncio.to_thread(api.get, kube.COLOCATE_JOBS, namespace, name)
     if body is None:
         return
@@ -123,7 +120,7 @@ async def follow(
     client: aioredis.Redis | None = None
     last_id = "0-0"
     try:
-        while not stopped:
+        while True:
             try:
                 if client is None:
                     password = await asyncio.to_thread(
@@ -151,7 +148,7 @@ async def follow(
                 if client is not None:
                     await client.aclose()
                     client = None
-                await stopped.wait(backoff)
+                await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 continue
             boundary = False
@@ -268,23 +265,6 @@ def _post_step_events(
     writes.last_posted = posted
 
 
-class StopFlag:
-    """What `follow` polls: truthy once set, and an interruptible sleep."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def __bool__(self) -> bool:
-        return self._event.is_set()
-
-    def set(self) -> None:
-        self._event.set()
-
-    async def wait(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), timeout)
-
-
 class StepWatchers:
     """One follower task per job on kopf's event loop, started and stopped from the job's watch events.
 
@@ -295,7 +275,7 @@ class StepWatchers:
     def __init__(self, api: kube.Kube, config: OperatorConfig) -> None:
         self.api = api
         self.config = config
-        self._running: dict[tuple[str, str], tuple[asyncio.Task[None], StopFlag]] = {}
+        self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
         return len(self._running)
@@ -304,29 +284,25 @@ class StepWatchers:
         key = (namespace, name)
         if key in self._running:
             return
-        flag = StopFlag()
-        task = asyncio.get_running_loop().create_task(
-            self._run(namespace, name, flag), name=f"steps:{namespace}/{name}"
+        self._running[key] = asyncio.get_running_loop().create_task(
+            self._run(namespace, name), name=f"steps:{namespace}/{name}"
         )
-        self._running[key] = (task, flag)
 
     def stop(self, namespace: str, name: str) -> None:
-        entry = self._running.get((namespace, name))
-        if entry is not None:
-            entry[1].set()
-            entry[0].cancel()  # it may be blocked in XREAD for seconds
+        task = self._running.get((namespace, name))
+        if task is not None:
+            task.cancel()  # wherever it waits: XREAD, a backoff, a status write
 
     async def stop_all(self, timeout: float = 10.0) -> None:
-        for task, flag in self._running.values():
-            flag.set()
+        tasks = list(self._running.values())
+        for task in tasks:
             task.cancel()
-        tasks = [task for task, _ in self._running.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
 
-    async def _run(self, namespace: str, name: str, flag: StopFlag) -> None:
+    async def _run(self, namespace: str, name: str) -> None:
         try:
-            await follow(namespace, name, self.api, self.config, flag)
+            await follow(namespace, name, self.api, self.config)
         except Exception:
             log.exception(
                 "step follower of %s/%s crashed; its next watch event starts it again", namespace, name

@@ -91,10 +91,6 @@ class WorkQueue(Generic[K]):
             self._closed = True
             self._cond.notify_all()
 
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._ready) + len(self._due)
-
     def _promote_due(self) -> None:
         now = self._clock()
         while self._heap and self._heap[0][0] <= now:
