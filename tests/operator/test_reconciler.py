@@ -124,6 +124,14 @@ def reconciler(api: FakeKube) -> Reconciler:
     return reconciler
 
 
+@pytest.fixture
+def known_clock(reconciler: Reconciler) -> list[float]:
+    """The clock of what the reconciler remembers between passes (resync interval 120 s); advance it."""
+    now = [0.0]
+    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
+    return now
+
+
 def bring_up(api: FakeKube, reconciler: Reconciler) -> None:
     reconciler.reconcile("ns", "demo")
     api.run_pods()
@@ -139,11 +147,9 @@ def test_bring_up_and_idle_passes_write_nothing(api: FakeKube, reconciler: Recon
     assert [c for c in api.calls if c[0] in ("create", "delete", "patch")] == []
 
 
-def test_secret_data_is_never_read(api: FakeKube, reconciler: Reconciler) -> None:
-    now = [0.0]
-    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
+def test_secret_data_is_never_read(api: FakeKube, reconciler: Reconciler, known_clock: list[float]) -> None:
     bring_up(api, reconciler)
-    now[0] += 121  # the resync's pass reads every child again
+    known_clock[0] += 121  # the resync's pass reads every child again
     reconciler.reconcile("ns", "demo")
     secret_reads = [c for c in api.calls if c[:2] == ("get", "secrets")]
     assert secret_reads and api.metadata_only.count("secrets") == len(secret_reads)
@@ -194,17 +200,15 @@ def test_deleted_job_is_forgotten(api: FakeKube, reconciler: Reconciler) -> None
 
 
 def test_event_driven_passes_skip_children_already_seen_until_the_resync_interval(
-    api: FakeKube, reconciler: Reconciler
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float]
 ) -> None:
-    now = [0.0]
-    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
     bring_up(api, reconciler)
     api.calls.clear()
     reconciler.reconcile("ns", "demo")
     reads = sorted(c[:2] for c in api.calls if c[0] in ("get", "list"))
     # The job, its pods and the meta-store's readiness: the only things an event can have changed.
     assert reads == [("get", "colocatejobs"), ("get", "deployments"), ("list", "pods")]
-    now[0] += 121
+    known_clock[0] += 121
     api.calls.clear()
     reconciler.reconcile("ns", "demo")
     kinds = {c[1] for c in api.calls if c[0] == "get"}
@@ -212,15 +216,13 @@ def test_event_driven_passes_skip_children_already_seen_until_the_resync_interva
 
 
 def test_a_child_deleted_behind_the_operators_back_is_recreated_by_the_resync(
-    api: FakeKube, reconciler: Reconciler
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float]
 ) -> None:
-    now = [0.0]
-    reconciler.known = KnownFacts(max_age=120, clock=lambda: now[0])
     bring_up(api, reconciler)
     del api.objects[("services", "ns", "demo")]
     reconciler.reconcile("ns", "demo")
     assert ("services", "ns", "demo") not in api.objects, "an event-driven pass trusts what it saw"
-    now[0] += 121
+    known_clock[0] += 121
     reconciler.reconcile("ns", "demo")
     assert ("services", "ns", "demo") in api.objects
 
