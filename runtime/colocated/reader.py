@@ -69,9 +69,8 @@ class ReaderSettings:
     verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
     allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
     blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
-    copy_kernel: bool = (
-        True  # one batched copy launch per bucket where Triton and CUDA are there (fastcopy.py)
-    )
+    # One batched copy launch per bucket where Triton and CUDA are there (fastcopy.py).
+    copy_kernel: bool = True
     overlap_open: bool = True  # enqueue a bucket's copies as soon as it is open, while the next ones open
 
     @staticmethod
@@ -463,7 +462,7 @@ class WeightReader:
         if last is not None and last[0] is manifest.entries and last[1] == sizes:
             return last[2]  # the layout cache handed back the very entries of the last step
         key = (
-            tuple((b.index, b.dtype, b.nbytes) for b in manifest.buckets),
+            sizes,
             tuple(
                 (e.name, e.dtype, e.shape, e.bucket, e.offset, e.nbytes, e.shard) for e in manifest.entries
             ),
