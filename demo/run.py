@@ -31,6 +31,7 @@ from colocate_devcluster.processes import free_port
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 LOADER = "colocate_runtime.sglang.loader.load_colocated_step"
+INIT_LOADER = "colocate_runtime.sglang.loader.start_colocated"
 STEP_TIMEOUT = 120.0
 
 
@@ -218,6 +219,8 @@ def main() -> int:
                     str(rollout_port),
                     "--custom-weight-loader",
                     LOADER,
+                    "--custom-weight-loader",
+                    INIT_LOADER,
                 ],
                 logs / f"rollout-{index}.log",
                 rollout_env,

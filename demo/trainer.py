@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import requests
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
-from colocate_runtime.sglang.rollout import ColocatedRollout, json_payload
+from colocate_runtime.sglang.rollout import ColocatedRollout
 from colocate_runtime.sglang.standin import TinyLM
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -63,7 +64,8 @@ def main() -> int:
 
     client = SGLangClient(cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3))
     client.wait_ready(60)
-    rollout = ColocatedRollout(client, payload=json_payload)
+    rollout = ColocatedRollout(client)
+    rollout.start()  # the engine's workers answer the writer's IPC preflight from now on
     writer = new_writer(cfg)
     ok = True
     try:
@@ -88,8 +90,7 @@ def main() -> int:
                     p.copy_(master[name])  # bf16 weights as the rollout engine holds them
             t1 = time.perf_counter()
             pending = writer.publish(step, dict(model.named_parameters()), weight_version=str(step))
-            rollout.install_weights(str(step))
-            report = writer.wait_and_free(pending)
+            report = rollout.install_weights(str(step), confirm=partial(writer.wait_and_free, pending))
             sync_s = time.perf_counter() - t1
             out = requests.post(
                 f"{client.base_url}/generate",

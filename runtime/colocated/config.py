@@ -25,7 +25,7 @@ Optional, with defaults:
 | `COLOCATE_SGLANG_URL` | from the port | SGLang's HTTP address, when it is not `http://127.0.0.1:PORT` |
 | `COLOCATE_IPC_PREFLIGHT` | `Off` | `Wait`, `Fail` or `Off`: the IPC preflight (preflight.py), see below |
 | `COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS` | `60` | one preflight attempt; no answer in it: `PeerTimeout` |
-| `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `0` | `Wait` mode gives up (raises) after this long; `0`: never |
+| `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `900` | `Wait` mode gives up (raises) after this long; `0`: never |
 
 The operator sets `COLOCATE_IPC_PREFLIGHT` from `spec.weightSync.ipcPreflight.mode` (default `Wait`); unset,
 it is `Off`, because outside the operator's pods (tests, benchmarks) nothing may answer a preflight.
@@ -73,7 +73,7 @@ class ColocateConfig:
     sglang_url: str = "http://127.0.0.1:30000"
     ipc_preflight: str = "Off"
     ipc_preflight_timeout_s: float = 60.0
-    ipc_preflight_wait_s: float = 0.0  # 0: Wait mode waits forever
+    ipc_preflight_wait_s: float = 900.0  # bounded: a worker side that never starts is an error; 0: forever
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -146,5 +146,5 @@ class ColocateConfig:
             or f"http://127.0.0.1:{int(number('COLOCATE_ROLLOUT_PORT', 30000, int))}",
             ipc_preflight=environ.get("COLOCATE_IPC_PREFLIGHT", "").strip() or "Off",
             ipc_preflight_timeout_s=number("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", 60.0),
-            ipc_preflight_wait_s=number("COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS", 0.0),
+            ipc_preflight_wait_s=number("COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS", 900.0),
         )

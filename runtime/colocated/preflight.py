@@ -55,8 +55,9 @@ HINTS = {
     ev.PATTERN_MISMATCH: "the memory opened is not the memory exported (a driver or transport bug)",
     ev.PID_NAMESPACE_NOT_SHARED: "set shareProcessNamespace: true on the pod",
     ev.PEER_TIMEOUT: (
-        "is the SGLang side running with the colocated loader and its preflight responder started "
-        "(colocate_runtime.sglang.loader.start_preflight)?"
+        "no SGLang worker answered: is colocate-operator[runtime] installed in the SGLang image (its plugin "
+        "starts the workers on SGLang >= 0.5.11), and did the trainer call ColocatedRollout.start() before "
+        "starting its writer (the init call, needed on 0.5.10)?"
     ),
 }
 
@@ -85,7 +86,7 @@ class PreflightFailed(RuntimeError):
 class PreflightSettings:
     mode: str = "Off"
     timeout_s: float = 60.0  # one attempt
-    wait_s: float = 0.0  # Wait mode: give up after this long; 0 waits forever
+    wait_s: float = 900.0  # Wait mode: give up after this long; 0 waits forever
     retry_s: float = 5.0  # at most this often an attempt (a PeerTimeout attempt retries at once)
     nbytes: int = DEFAULT_NBYTES
     shm_dir: str = "/dev/shm"  # where the probe file goes: the directory both containers must share

@@ -21,7 +21,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -152,13 +152,17 @@ class WeightReader:
         *,
         target_shards: Mapping[str, TensorShard] | None = None,
         exchange: Exchange | None = None,
+        finalize: Callable[[], None] | None = None,
     ) -> None:
+        """`finalize` runs after the copy and the verified close, before the ACK: the engine rebuilds what it
+        derives from the weights (SGLang's `post_load_weights`); if it raises, the step fails."""
         self.store = store
         self.importer = importer
         self.targets = dict(targets)
         self.target_shards = dict(target_shards or {})
         self.settings = settings
         self.exchange = exchange
+        self.finalize = finalize
         self.uuid = importer.device_uuid()
         self.history = UpdateHistory()
         self.gen: int | None = None
@@ -352,6 +356,14 @@ class WeightReader:
             err = CloseError(f"step {step}: buckets {list(close.alive)} still referenced after gc.collect()")
             self._fail(manifest, err, close, seconds)
             raise err
+        if self.finalize is not None:
+            t1 = time.perf_counter()
+            try:
+                self.finalize()
+            except Exception as err:
+                self._fail(manifest, err, close, seconds)
+                raise
+            seconds["finalize"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
         if manifest.checksums:

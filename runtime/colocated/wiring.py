@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,6 +128,7 @@ def new_reader(
     exchange: Exchange | None = None,
     store: MetaStore | None = None,
     preflight: bool = True,
+    finalize: Callable[[], None] | None = None,
 ) -> WeightReader:
     """A started reader over `targets` (name -> parameter), heartbeating, and (unless the preflight is Off or
     `preflight=False`: another responder serves this GPU) answering the trainer's IPC preflight."""
@@ -138,6 +139,7 @@ def new_reader(
         ReaderSettings.from_config(cfg, rank=rank),
         target_shards=target_shards,
         exchange=exchange,
+        finalize=finalize,
     ).start()
     if preflight and cfg.ipc_preflight != "Off":
         reader.preflight = new_responder(cfg, rank=rank, device=device, store=reader.store)

@@ -1,22 +1,29 @@
 """SGLang adapter over its HTTP API, with memory tags tracked so repeated release/resume calls are safe.
 
-SGLang's `release_memory_occupation` pauses torch_memory_saver regions; a second pause of a paused region can
-hang, and resuming a region that is not paused fails. The client therefore keeps the set of released tags and
-sends only the difference; it also tracks whether generation is paused. Every call has a timeout; calls are
-retried (bounded, with backoff) only when a retry cannot repeat an effect: idempotent reads always, effectful
-calls only when the request never reached the server (connection refused) or the server answered 503.
+SGLang's `release_memory_occupation` pauses torch_memory_saver regions: pausing a paused region ends the
+scheduler (torch_memory_saver calls `exit(1)`), and resuming a region that is not paused raises `KeyError` in
+the scheduler, which kills the server too. The client therefore keeps the set of released tags and sends only
+the difference; it also tracks whether generation is paused. Every call has a timeout; calls are retried
+(bounded, with backoff) only when a retry cannot repeat an effect: idempotent reads always, effectful calls
+only when the request never reached the server (connection refused) or the server answered 503.
+
+The engine's version is read from `/server_info` at the first call that depends on it (`detect()`), and its
+behaviour comes from one table (versions.py): the weight-update session, the safe pause mode, the probe path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 from urllib3.exceptions import NewConnectionError
+
+from colocate_runtime.sglang.versions import EngineTraits, traits
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +46,39 @@ class HttpPolicy:
 
 class SGLangClient:
     def __init__(
-        self, base_url: str, policy: HttpPolicy | None = None, session: requests.Session | None = None
+        self,
+        base_url: str,
+        policy: HttpPolicy | None = None,
+        session: requests.Session | None = None,
+        *,
+        allow_untested: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.policy = policy or HttpPolicy()
         self.session = session or requests.Session()
+        self.allow_untested = allow_untested
         self.released: set[str] = set()
         self.paused = False
+        self.server_info: dict[str, Any] = {}
+        self._engine: EngineTraits | None = None
+
+    # --- the engine ---------------------------------------------------------------------------------------
+
+    def detect(self) -> EngineTraits:
+        """Read the engine's version and arguments (`/server_info`); UnsupportedEngine outside the range."""
+        if self._engine is None:
+            info = self._call("GET", "/server_info", None, effectful=False)
+            version = info.get("version")
+            if not version:
+                raise SGLangError(f"{self.base_url}/server_info names no SGLang version: is this SGLang?")
+            self._engine = traits(str(version), allow_untested=self.allow_untested)
+            self.server_info = info
+            log.info("SGLang %s at %s: %s", version, self.base_url, self._engine)
+        return self._engine
+
+    @property
+    def engine(self) -> EngineTraits:
+        return self.detect()
 
     # --- transport ----------------------------------------------------------------------------------------
 
@@ -92,19 +125,31 @@ class SGLangClient:
     # --- generation ---------------------------------------------------------------------------------------
 
     def health(self) -> bool:
+        """SGLang's `/health`: runs a one-token generation, so it fails (after 20 s) while paused."""
+        return self._ok("/health")
+
+    def ready(self) -> bool:
+        """Answers without a generation, also while paused (the probe path of this version)."""
+        return self._ok(self.engine.ready_path)
+
+    def _ok(self, path: str) -> bool:
         try:
-            return self.session.get(f"{self.base_url}/health", timeout=self.policy.timeout_s).ok
+            return self.session.get(f"{self.base_url}{path}", timeout=self.policy.timeout_s).ok
         except requests.RequestException:
             return False
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the engine serves generations (its `/health`), then detect its version."""
         deadline = time.monotonic() + timeout_s
         while not self.health():
             if time.monotonic() > deadline:
                 raise SGLangError(f"SGLang at {self.base_url} not healthy within {timeout_s}s")
             time.sleep(0.2)
+        self.detect()
 
-    def pause_generation(self, mode: str = "retract") -> None:
+    def pause_generation(self, mode: str | None = None) -> None:
+        """Pause with `mode`, by default the mode this version survives a release with (versions.py)."""
+        mode = self.engine.pause_mode if mode is None else mode
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
         if not self.paused:
@@ -152,10 +197,42 @@ class SGLangClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> str:
-        """One payload per TP rank (rank r reads entry r); returns SGLang's message."""
+        """One payload per TP rank (rank r reads entry r); returns SGLang's message. On versions that need
+        it, the update runs inside a weight-update session (begin ... end, also when the update fails)."""
         if "weights" in self.released:
             raise SGLangError("weights memory is released: resume the 'weights' tag before updating weights")
-        body = self._call(
+        with self.weight_update_session():
+            body = self._update(
+                serialized_per_rank,
+                load_format=load_format,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                abort_all_requests=abort_all_requests,
+            )
+        return str(body.get("message", ""))
+
+    @contextlib.contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """`/begin_weight_update` ... `/end_weight_update` where the engine needs them; else nothing."""
+        if not self.engine.session:
+            yield
+            return
+        self._call("POST", "/begin_weight_update", {}, effectful=True)
+        try:
+            yield
+        finally:
+            self._call("POST", "/end_weight_update", {}, effectful=True)
+
+    def _update(
+        self,
+        serialized_per_rank: Sequence[str],
+        *,
+        load_format: str | None,
+        weight_version: str | None,
+        flush_cache: bool,
+        abort_all_requests: bool,
+    ) -> dict[str, Any]:
+        return self._call(
             "POST",
             "/update_weights_from_tensor",
             {
@@ -168,10 +245,9 @@ class SGLangClient:
             effectful=True,
             timeout_s=self.policy.update_timeout_s,
         )
-        return str(body.get("message", ""))
 
     def get_weight_version(self) -> str | None:
-        body = self._call("GET", "/get_weight_version", None, effectful=False)
+        body = self._call("GET", "/model_info", None, effectful=False)
         version = body.get("weight_version")
         return None if version is None else str(version)
 
@@ -184,10 +260,11 @@ class SGLangClient:
         )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` values of a parameter (SGLang answers a bare, nested list)."""
         body = self._call(
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, effectful=False
         )
-        return list(body.get("parameter") or [])
+        return list(body.get("value") or [])
 
 
 def _tags(tags: Iterable[str] | None) -> list[str]:
@@ -214,6 +291,12 @@ def _body(method: str, path: str, resp: requests.Response) -> dict[str, Any]:
     if not isinstance(body, dict):
         body = {"value": body}
     if resp.status_code >= 400 or body.get("success") is False:
-        message = body.get("message") or body.get("error") or resp.reason
+        error = body.get("error")
+        message = (
+            body.get("message")
+            or (error.get("message") if isinstance(error, dict) else error)
+            or body.get("detail")
+            or resp.reason
+        )
         raise SGLangError(f"{method} {path}: HTTP {resp.status_code}: {message}")
     return body

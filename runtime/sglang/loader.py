@@ -1,19 +1,37 @@
 """The SGLang-side entry point of the colocated update: a custom weight loader that runs the reader.
 
 SGLang calls a loader registered with
-`--custom-weight-loader colocate_runtime.sglang.loader.load_colocated_step` inside each TP worker, as
-`loader(model, named_tensors)`, when `/update_weights_from_tensor` names it as `load_format` (the scheduler
-runs it between batches, so no forward pass sees half-updated weights). The request's tensors carry nothing
-here (an empty list per rank): the loader reads the trainer's next published step for this GPU from the
-meta-store and applies it in place. The configuration comes from the COLOCATE_* environment of the SGLang
-container, read once per process.
+`--custom-weight-loader colocate_runtime.sglang.loader.load_colocated_step` inside each TP worker (scheduler
+process), as `loader(model, named_tensors)`, when `/update_weights_from_tensor` names it as `load_format`
+(the scheduler runs it between batches, so no forward pass sees half-updated weights). The request's tensors
+carry nothing here (an empty list per rank): the loader reads the trainer's next published step for this GPU
+from the meta-store and applies it in place, then runs the model's own `post_load_weights` (what SGLang runs
+after a load that bypasses `model.load_weights`: MLA's `w_kc`/`w_vc` and the like are derived there) before
+the step's ACK. The configuration comes from the COLOCATE_* environment of the SGLang container, read once per
+process.
+
+**It never raises into SGLang.** SGLang does not catch a custom loader's exception: the scheduler logs it and
+sends SIGQUIT to the server, which dies. A failed step is therefore logged and reported through the
+meta-store (the reader's error ACK, or a `failed` step event when no step was claimed); the trainer learns it
+from its writer (`wait_and_free` raises), and `ColocatedRollout.install_weights` keeps generation paused.
+
+**Start.** The trainer publishes no step before its IPC preflight passed (colocated/preflight.py), so each TP
+worker must answer the preflight before the first update, while SGLang imports a custom loader only at the
+first update. Two ways start the responder at worker start, both idempotent:
+- SGLang >= 0.5.11: our `sglang.srt.plugins` entry point (plugin.py) runs in every scheduler process;
+- every version: `ColocatedRollout.start()` calls `/update_weights_from_tensor` once with
+  `load_format=colocate_runtime.sglang.loader.start_colocated` (list it in `--custom-weight-loader` too).
+
+**Ranks.** The reader's rank is the worker's rank in SGLang's TP group (not the global rank, which counts
+pipeline stages too).
 
 When SGLang shards the model differently from the trainer, each TP worker also needs slices published on
-other GPUs: `set_exchange_resolver` gives the loader a `ReshardExchange` (colocated/exchange.py) over the TP
-group. Every TP worker sets both resolvers before the first update, e.g. at import of the module that
-`--custom-weight-loader` names (SGLang imports it in each worker):
+other GPUs: `set_exchange_resolver` gives the loader a `ReshardExchange` (colocated/exchange.py) over a
+process group of its own (`exchange_group()`: a failed exchange cannot poison SGLang's inference group).
+A wrapper module named in `--custom-weight-loader` sets both resolvers at import (SGLang imports it in each
+worker at the first update, before calling it), and re-exports `load_colocated_step`:
 
-    tp = sglang.srt.distributed.get_tp_group()   # one rank per GPU, NCCL
+    tp = sglang.srt.distributed.parallel_state.get_tp_group()
     plan = inference_plan(spec, sglang_layout, tp.rank_in_group)
     set_target_resolver(lambda model: {s.name: v for s, v in plan.read(dict(model.named_parameters()))})
     ranks = range(tp.world_size)
@@ -22,24 +40,20 @@ group. Every TP worker sets both resolvers before the first update, e.g. at impo
     inference = Layout.from_ranks(inference_plan(spec, sglang_layout, r).rank_shards(r) for r in ranks)
     device = torch.device("cuda", torch.cuda.current_device())
     set_exchange_resolver(
-        lambda model, cfg: reshard_exchange(cfg, trainer, inference, group=tp.device_group, device=device)
+        lambda model, cfg: reshard_exchange(cfg, trainer, inference, group=exchange_group(), device=device)
     )
 
 Rank r of both layouts is the TP worker of group rank r: the trainer layout names, under r, the trainer shard
 published on that worker's GPU. The resolver runs on the first update, on every worker at once (creating the
 exchange is collective). Each update is then one collective step: SGLang runs the loader on every TP worker.
-
-The trainer publishes no step before its IPC preflight passed (colocated/preflight.py), and SGLang imports
-this loader only at the first update, so each TP worker starts the preflight responder at its own start, in
-the same module that sets the resolvers (the SGLang stand-in calls it at startup):
-
-    start_preflight()   # after the worker's CUDA device is set; a no-op when COLOCATE_IPC_PREFLIGHT=Off
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +67,10 @@ from colocate_runtime.colocated.wiring import new_reader, new_responder
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
 
+log = logging.getLogger(__name__)
+
 LOADER_PATH = "colocate_runtime.sglang.loader.load_colocated_step"
+INIT_LOADER_PATH = "colocate_runtime.sglang.loader.start_colocated"
 TargetResolver = Callable[[torch.nn.Module], Mapping[str, torch.Tensor]]
 ExchangeResolver = Callable[[torch.nn.Module, ColocateConfig], "ReshardExchange | None"]
 
@@ -63,6 +80,7 @@ _responder: PreflightResponder | None = None
 _config: ColocateConfig | None = None
 _resolver: TargetResolver | None = None
 _exchange_resolver: ExchangeResolver | None = None
+_exchange_group: torch.distributed.ProcessGroup | None = None
 
 
 def named_parameters(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
@@ -84,9 +102,44 @@ def set_exchange_resolver(resolver: ExchangeResolver | None) -> None:
 
 
 def _tp_rank() -> int:
+    """This worker's rank in SGLang's TP group (the global rank also counts pipeline stages)."""
+    tp = _sglang_tp_group()
+    if tp is not None:
+        return int(tp.rank_in_group)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
+        return torch.distributed.get_rank()  # outside SGLang (tests): one group
     return 0
+
+
+def _sglang_tp_group() -> Any:
+    try:
+        from sglang.srt.distributed.parallel_state import get_tp_group  # type: ignore[import-not-found]
+
+        return get_tp_group()
+    except (ImportError, AssertionError, AttributeError):  # not in an SGLang worker
+        return None
+
+
+def exchange_group() -> torch.distributed.ProcessGroup:
+    """A process group of the worker's TP ranks for the cross-GPU exchange, created once, on first use, by
+    every worker at once (a collective over SGLang's whole world: one new group per TP group, in order)."""
+    global _exchange_group
+    if _exchange_group is None:
+        tp = _sglang_tp_group()
+        if tp is None:
+            raise RuntimeError("exchange_group() runs inside an SGLang TP worker (no SGLang TP group here)")
+        size, world = int(tp.world_size), torch.distributed.get_world_size()
+        backend = torch.distributed.get_backend(tp.device_group)
+        for first in range(0, world, size):
+            ranks = list(range(first, first + size))
+            group = torch.distributed.new_group(ranks=ranks, backend=backend)
+            if list(tp.ranks) == ranks:
+                _exchange_group = group
+        if _exchange_group is None:
+            raise RuntimeError(
+                f"SGLang's TP group {list(tp.ranks)} is not a contiguous block of {size} ranks"
+            )
+    return _exchange_group
 
 
 def _cfg() -> ColocateConfig:
@@ -108,6 +161,12 @@ def start_preflight(rank: int | None = None) -> PreflightResponder | None:
         return _responder
 
 
+def _post_load(model: torch.nn.Module) -> Callable[[], None] | None:
+    """SGLang's own post-load step of the model, when it has one (derived tensors such as MLA's w_kc)."""
+    hook = getattr(model, "post_load_weights", None)
+    return hook if callable(hook) else None
+
+
 def reader_for(model: torch.nn.Module) -> WeightReader:
     with _lock:
         reader = _readers.get(id(model))
@@ -117,8 +176,11 @@ def reader_for(model: torch.nn.Module) -> WeightReader:
             device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
             exchange = _exchange_resolver(model, cfg) if _exchange_resolver is not None else None
             preflight = _responder is None  # late: start_preflight was not called at worker start
+            finalize = _post_load(model)
             if exchange is None:
-                reader = new_reader(cfg, targets, rank=_tp_rank(), device=device, preflight=preflight)
+                reader = new_reader(
+                    cfg, targets, rank=_tp_rank(), device=device, preflight=preflight, finalize=finalize
+                )
             else:
                 reader = new_reader(
                     cfg,
@@ -128,14 +190,38 @@ def reader_for(model: torch.nn.Module) -> WeightReader:
                     target_shards=exchange.target_shards(),
                     exchange=exchange,
                     preflight=preflight,
+                    finalize=finalize,
                 )
             _readers[id(model)] = reader
         return reader
 
 
 def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
-    """Apply the trainer's next step for this GPU (raises on failure: SGLang then answers success=false)."""
-    reader_for(model).apply_next()
+    """Apply the trainer's next step for this GPU. Never raises (see above): a failure is logged and reported
+    through the meta-store, and SGLang answers success, so the trainer's writer is the judge of the step."""
+    try:
+        reader = reader_for(model)
+    except Exception as err:
+        log.exception("colocated loader: no reader on this worker (%s); the step is not applied", err)
+        return
+    try:
+        reader.apply_next()
+    except Exception as err:
+        # A failure inside a claimed step is already in its error ACK and step events; one before any claim
+        # (no step published in time, trainer lost) only in this log line and the reader's heartbeat state.
+        log.error(
+            "colocated loader: step not applied on rank %d: %s: %s", _tp_rank(), type(err).__name__, err
+        )
+
+
+def start_colocated(model: torch.nn.Module, named_tensors: Any) -> None:
+    """The init call (`ColocatedRollout.start()`): start this worker's preflight responder. Never raises."""
+    try:
+        t0 = time.perf_counter()
+        start_preflight()
+        log.info("colocated: worker %d ready in %.3f s", _tp_rank(), time.perf_counter() - t0)
+    except Exception as err:
+        log.exception("colocated: preflight responder not started (%s)", err)
 
 
 def close_all() -> None:

@@ -1,17 +1,22 @@
-"""STAND-IN for an SGLang server (SGLang cannot be installed here): speaks the subset of SGLang's HTTP API the
-adapter uses, over a real (tiny) torch language model. Used by tests and demos only; never in production.
+"""STAND-IN for an SGLang server: speaks the subset of SGLang's HTTP API the adapter uses, over a real (tiny)
+torch language model, in one process. Used by the demo and fast tests only; never in production. The
+conformance tier (tests/sglang_real/) runs SGLang's own code instead; this stand-in follows the same
+per-version table (versions.py) and fails where SGLang fails:
 
-Endpoints as SGLang names them: `/health`, `/generate` (greedy), `/pause_generation`, `/continue_generation`,
-`/release_memory_occupation`, `/resume_memory_occupation`, `/update_weights_from_tensor`, `/flush_cache`,
-`/get_weight_version`, `/update_weight_version`, `/get_weights_by_name`. Where SGLang misbehaves, the stand-in
-fails loudly instead: releasing a tag twice answers 500 (SGLang can hang there), resuming a tag that is not
-released answers 500, and resumed weights hold garbage (as torch_memory_saver pages without a CPU backup do)
-until they are updated. Differences from SGLang: a payload of `/update_weights_from_tensor` is base64 JSON (a
-list of named tensors, empty for the colocated loader) rather than SGLang's serializer output, and only custom
-loaders (`--custom-weight-loader`) are supported. Fault injection (`faults`) answers 503 to the first N calls
-of a path, to exercise the adapter's retries.
+- a custom loader that raises kills the server (SGLang's scheduler sends SIGQUIT to its parent);
+- from 0.5.21 on, `/update_weights_from_tensor` outside `/begin_weight_update` ... `/end_weight_update` is
+  refused with SGLang's message (HTTP 400);
+- payloads are SGLang's (base64 of a pickle; anything but an empty named-tensor list kills the server, as
+  SGLang's restricted unpickler does), weights hold garbage after a release and resume (torch_memory_saver
+  without a CPU backup), releasing a released tag or resuming one that is not released kills the server;
+- releasing memory while a generation runs kills the server (SGLang asserts that it is idle);
+- `/get_weight_version` answers 404 (use `/model_info`), `/get_weights_by_name` a bare list, `/server_info`
+  the version and arguments, `/health` runs a generation and so fails while paused, `/model_info` does not.
 
-Run: `python -m colocate_runtime.sglang.standin --port 30000 --custom-weight-loader PATH`.
+What it lacks: SGLang's processes (one scheduler per TP rank), its scheduler, memory saver, CUDA graphs.
+Fault injection (`faults`) answers 503 to the first N calls of a path, to exercise the adapter's retries.
+
+Run: `python -m colocate_runtime.sglang.standin --port 30000 --custom-weight-loader PATH --sglang-version V`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import base64
 import importlib
 import json
 import logging
+import os
+import pickle
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,8 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from colocate_runtime.sglang.versions import NEWEST, EngineTraits, traits
+
 log = logging.getLogger(__name__)
 TAGS = ("kv_cache", "weights", "cuda_graph")
+DEFAULT_VERSION = ".".join(map(str, NEWEST))
+
+
+class Crashed(Exception):
+    """The stand-in died the way SGLang would: later requests find no server."""
 
 
 class TinyLM(nn.Module):
@@ -70,47 +84,92 @@ class StandinState:
         model: nn.Module,
         loaders: dict[str, Callable[[nn.Module, Any], None]],
         faults: dict[str, int] | None = None,
+        *,
+        version: str = DEFAULT_VERSION,
+        on_crash: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model
         self.loaders = loaders
         self.faults = dict(faults or {})
+        self.engine: EngineTraits = traits(version)
+        self.on_crash = on_crash
         self.released: set[str] = set()
         self.paused = False
+        self.session = False
+        self.generating = 0
+        self.crashed: str | None = None
         self.weight_version = "initial"
         self.calls: list[str] = []
         self.lock = threading.Lock()
 
-    def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if path == "/generate":  # outside the lock: a release while it runs is what SGLang asserts against
+            return self.generate(body)
         with self.lock:
+            if self.crashed is not None:
+                raise Crashed(self.crashed)
             self.calls.append(path)
             if self.faults.get(path, 0) > 0:
                 self.faults[path] -= 1
                 return 503, {"success": False, "message": "stand-in: injected 503"}
             route = _ROUTES.get(path)
             if route is None:
-                return 404, {"success": False, "message": f"no route {path}"}
+                return 404, {"detail": "Not Found"}
             try:
-                return route(self, body)
-            except Exception as err:  # a loader failure is a success=false answer, as in SGLang
-                log.exception("stand-in %s failed", path)
-                return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
+                return getattr(self, route)(body)
+            except Exception as err:  # an exception in SGLang's scheduler ends the server
+                self.crash(f"{path}: {type(err).__name__}: {err}")
+                raise Crashed(str(err)) from err
+
+    def crash(self, why: str) -> None:
+        log.error("stand-in: scheduler hit an exception, the server dies (as SGLang's does): %s", why)
+        self.crashed = why
+        if self.on_crash is not None:
+            self.on_crash(why)
 
     # --- routes -------------------------------------------------------------------------------------------
 
     def health(self, body: dict) -> tuple[int, dict]:
+        if self.paused:  # SGLang's /health generates one token: held while paused, 503 after its timeout
+            return 503, {}
+        return 200, {}
+
+    def server_info(self, body: dict) -> tuple[int, dict]:
+        return 200, {
+            "version": self.engine.version,
+            "tp_size": 1,
+            "dp_size": 1,
+            "custom_weight_loader": sorted(self.loaders),
+            "enable_memory_saver": True,
+        }
+
+    def model_info(self, body: dict) -> tuple[int, dict]:
+        return 200, {"model_path": "stand-in", "weight_version": self.weight_version}
+
+    def ready(self, body: dict) -> tuple[int, dict]:
+        if self.engine.ready_path != "/ready":
+            return 404, {"detail": "Not Found"}
         return 200, {}
 
     def generate(self, body: dict) -> tuple[int, dict]:
-        if self.paused:
-            return 503, {"success": False, "message": "generation is paused"}
-        if "weights" in self.released:
-            return 400, {"success": False, "message": "weights memory is released"}
-        ids = [int(x) for x in body["input_ids"]]
-        n = int(body.get("sampling_params", {}).get("max_new_tokens", 8))
-        return 200, {
-            "output_ids": self.model.greedy(ids, n),
-            "meta_info": {"weight_version": self.weight_version},
-        }
+        with self.lock:
+            if self.crashed is not None:
+                raise Crashed(self.crashed)
+            if self.paused:  # SGLang holds the request until continue; the stand-in refuses it instead
+                return 503, {"success": False, "message": "generation is paused"}
+            if "weights" in self.released:
+                return 400, {"success": False, "message": "weights memory is released"}
+            self.generating += 1
+        try:
+            ids = [int(x) for x in body["input_ids"]]
+            n = int(body.get("sampling_params", {}).get("max_new_tokens", 8))
+            return 200, {
+                "output_ids": self.model.greedy(ids, n),
+                "meta_info": {"weight_version": self.weight_version},
+            }
+        finally:
+            with self.lock:
+                self.generating -= 1
 
     def pause_generation(self, body: dict) -> tuple[int, dict]:
         self.paused = True
@@ -120,62 +179,99 @@ class StandinState:
         self.paused = False
         return 200, {"success": True, "message": "continued"}
 
-    def release_memory_occupation(self, body: dict) -> tuple[int, dict]:
+    def release_memory_occupation(self, body: dict) -> tuple[int, Any]:
         tags = body.get("tags") or list(TAGS)
+        if self.generating:
+            raise AssertionError("release_memory_occupation should be called only when server is idle.")
         again = sorted(set(tags) & self.released)
-        if again:
-            return 500, {"success": False, "message": f"tags {again} already released (SGLang can hang here)"}
+        if again:  # torch_memory_saver: "Cannot pause allocation that is not active", exit(1)
+            raise RuntimeError(f"tags {again} already released")
         if "weights" in tags:
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.fill_(float("nan"))  # the content of released pages is undefined
         self.released.update(tags)
-        return 200, {"success": True, "message": f"released {tags}"}
+        return 200, None
 
-    def resume_memory_occupation(self, body: dict) -> tuple[int, dict]:
+    def resume_memory_occupation(self, body: dict) -> tuple[int, Any]:
         tags = body.get("tags") or list(TAGS)
         missing = sorted(set(tags) - self.released)
-        if missing:
-            return 500, {"success": False, "message": f"tags {missing} are not released"}
+        if missing:  # SGLang: `offload_tags.remove(tag)` raises KeyError in the scheduler
+            raise KeyError(f"tags {missing} are not released")
         self.released.difference_update(tags)
-        return 200, {"success": True, "message": f"resumed {tags}"}
+        return 200, None
+
+    def begin_weight_update(self, body: dict) -> tuple[int, dict]:
+        if not self.engine.session:
+            return 404, {"detail": "Not Found"}
+        if self.session:
+            return 400, {"success": False, "message": "a weight-update session is already open"}
+        self.session = True
+        return 200, {"success": True, "message": "Success"}
+
+    def end_weight_update(self, body: dict) -> tuple[int, dict]:
+        if not self.engine.session:
+            return 404, {"detail": "Not Found"}
+        if not self.session:
+            return 400, {"success": False, "message": "no weight-update session is open"}
+        self.session = False
+        return 200, {"success": True, "message": "Success"}
 
     def update_weights_from_tensor(self, body: dict) -> tuple[int, dict]:
-        if "weights" in self.released:
-            return 400, {"success": False, "message": "weights memory is released"}
+        if self.engine.session and not self.session:
+            return 400, {
+                "success": False,
+                "message": "update_weights_from_tensor must run between begin_weight_update() and "
+                "end_weight_update()",
+            }
         fmt = body.get("load_format")
         loader = self.loaders.get(fmt or "")
         if loader is None:
-            return 400, {"success": False, "message": f"stand-in supports custom loaders only, not {fmt!r}"}
+            raise NotImplementedError(f"Unknown load_format={fmt}")
         payloads = body.get("serialized_named_tensors") or []
-        named = json.loads(base64.b64decode(payloads[0])) if payloads else []
-        loader(self.model, named)
+        named = _unpickle_empty(payloads[0])  # rank 0's entry, as SGLang's TP rank 0 reads it
+        loader(self.model, named)  # raises: the server dies, as SGLang's does
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
-        return 200, {"success": True, "message": "Succeeded to update model weights."}
+        return 200, {"success": True, "message": "Success"}
 
-    def flush_cache(self, body: dict) -> tuple[int, dict]:
+    def flush_cache(self, body: dict) -> tuple[int, Any]:
         if not self.paused and "kv_cache" not in self.released:
-            return 400, {"success": False, "message": "cannot flush while requests may be running"}
-        return 200, {"success": True, "message": "Cache flushed."}
+            return 400, {"message": "Cache not flushed. Please check the server is idle."}
+        return 200, "Cache flushed."
 
     def get_weight_version(self, body: dict) -> tuple[int, dict]:
-        return 200, {"weight_version": self.weight_version}
+        return 404, {
+            "detail": "Endpoint '/get_weight_version' is deprecated. Please use '/model_info' instead."
+        }
 
     def update_weight_version(self, body: dict) -> tuple[int, dict]:
         self.weight_version = str(body["new_version"])
-        return 200, {"success": True, "message": "updated"}
+        return 200, {"success": True, "message": "updated", "new_version": self.weight_version}
 
-    def get_weights_by_name(self, body: dict) -> tuple[int, dict]:
+    def get_weights_by_name(self, body: dict) -> tuple[int, Any]:
         p = dict(self.model.named_parameters())[body["name"]]
         flat = p.detach().float().reshape(-1)[: int(body.get("truncate_size", 100))]
-        return 200, {"parameter": flat.tolist()}
+        return 200, flat.tolist()
 
 
-_ROUTES: dict[str, Callable[[StandinState, dict], tuple[int, dict]]] = {
-    f"/{name}": getattr(StandinState, name)
+def _unpickle_empty(payload: str) -> list:
+    """SGLang unpickles payloads with an allow-list; the stand-in accepts only an empty list."""
+    named = pickle.loads(base64.b64decode(payload)) if payload else None
+    if named != []:
+        raise pickle.UnpicklingError(f"stand-in accepts only an empty named-tensor list, got {type(named)}")
+    return named
+
+
+_ROUTES: dict[str, str] = {
+    f"/{name}": name
     for name in (
         "health",
+        "server_info",
+        "model_info",
+        "ready",
+        "begin_weight_update",
+        "end_weight_update",
         "generate",
         "pause_generation",
         "continue_generation",
@@ -202,10 +298,14 @@ def _handler(state: StandinState) -> type[BaseHTTPRequestHandler]:
             if not isinstance(body, dict):
                 code, reply = 400, {"success": False, "message": "body is not a JSON object"}
             else:
-                code, reply = state.handle(method, self.path.split("?", 1)[0], body)
-            data = json.dumps(reply).encode()
+                try:
+                    code, reply = state.handle(method, self.path.split("?", 1)[0], body)
+                except Crashed:
+                    self.close_connection = True  # no answer: the server is gone
+                    return
+            data = (reply if isinstance(reply, str) else json.dumps(reply)).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "text/plain" if isinstance(reply, str) else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -235,20 +335,13 @@ def import_loader(path: str) -> Callable[[nn.Module, Any], None]:
     return getattr(importlib.import_module(module), name)
 
 
-def start_loader_preflight(path: str) -> None:
-    """What a real deployment's worker module does at worker start: the loader module's IPC preflight
-    responder (colocated/preflight.py), when it has one."""
-    start = getattr(importlib.import_module(path.rpartition(".")[0]), "start_preflight", None)
-    if start is not None:
-        start()
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--custom-weight-loader", action="append", default=[])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sglang-version", default=DEFAULT_VERSION, help="the SGLang release to behave like")
     p.add_argument("--faults", default="{}", help='JSON {"/path": n}: answer 503 to the first n calls')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(message)s")
@@ -257,9 +350,9 @@ def main(argv: list[str] | None = None) -> None:
         TinyLM(seed=args.seed),
         {path: import_loader(path) for path in args.custom_weight_loader},
         json.loads(args.faults),
+        version=args.sglang_version,
+        on_crash=lambda why: os._exit(1),
     )
-    for path in args.custom_weight_loader:
-        start_loader_preflight(path)
     server = serve(state, args.host, args.port)
     log.info("SGLang stand-in on %s:%d", *server.server_address[:2])
     threading.Event().wait()

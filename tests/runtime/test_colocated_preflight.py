@@ -37,8 +37,8 @@ from colocate_runtime.colocated.transport import TransportError
 from colocate_runtime.colocated.wiring import connect, cpu_device_id, new_writer
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
-from colocate_runtime.sglang.loader import LOADER_PATH
-from colocate_runtime.sglang.rollout import ColocatedRollout, json_payload
+from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
+from colocate_runtime.sglang.rollout import ColocatedRollout
 from colocate_runtime.sglang.standin import TinyLM
 from tests.runtime import colocated_model as model
 from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
@@ -217,19 +217,22 @@ def test_the_sglang_standin_answers_through_the_loader_and_the_step_follows(
             str(port),
             "--custom-weight-loader",
             LOADER_PATH,
+            "--custom-weight-loader",
+            INIT_LOADER_PATH,
         )
     )
+    client = SGLangClient(f"http://127.0.0.1:{port}", HttpPolicy(timeout_s=10, retries=2))
+    client.wait_ready(60)
+    rollout = ColocatedRollout(client)
+    rollout.start()  # the init call: the stand-in, like SGLang 0.5.10, starts nothing on its own
     writer = new_writer(ColocateConfig.from_env(env))  # returns once the stand-in's responder answered
     try:
         assert writer.preflight_passed
-        client = SGLangClient(f"http://127.0.0.1:{port}", HttpPolicy(timeout_s=10, retries=2))
-        client.wait_ready(60)
-        rollout = ColocatedRollout(client, payload=json_payload)
         trained = TinyLM(seed=7)
         rollout.before_training()
         pending = writer.publish(1, dict(trained.named_parameters()), weight_version="v1")
-        rollout.install_weights("v1")
-        assert writer.wait_and_free(pending).step == 1 and client.get_weight_version() == "v1"
+        report = rollout.install_weights("v1", confirm=lambda: writer.wait_and_free(pending))
+        assert report.step == 1 and client.get_weight_version() == "v1"
     finally:
         writer.close()
     (answer,) = preflight_events(writer.store, "reader")
@@ -287,7 +290,7 @@ def test_peer_timeout_when_nothing_answers(cfg: ColocateConfig) -> None:
     with pytest.raises(PreflightFailed) as failed:
         writer.start()
     assert failed.value.reason == ev.PEER_TIMEOUT and time.monotonic() - t0 < 5
-    assert "start_preflight" in str(failed.value)
+    assert "ColocatedRollout.start()" in str(failed.value)
     assert preflight_files(Path(cfg.shm_dir)) == []  # nobody claimed it: freed at once
     trainer = preflight_events(writer.store, "trainer")
     assert [(e.result, e.reason) for e in trainer] == [("", ""), ("error", ev.PEER_TIMEOUT)]

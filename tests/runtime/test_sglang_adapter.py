@@ -1,5 +1,7 @@
-"""The SGLang adapter against the SGLang STAND-IN (runtime/sglang/standin.py): tag tracking, bounded retries,
-and a full colocated cycle with the reader running inside the stand-in server process."""
+"""The SGLang adapter against the SGLang STAND-IN (runtime/sglang/standin.py), which follows the same
+per-version table as the client: tag tracking, bounded retries, the version table, a failed step that keeps
+generation paused, and a full colocated cycle with the reader running inside the stand-in server process.
+SGLang's own code runs in tests/sglang_real/."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,10 @@ import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.wiring import new_writer
+from colocate_runtime.sglang import versions
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient, SGLangError
-from colocate_runtime.sglang.loader import LOADER_PATH
-from colocate_runtime.sglang.rollout import ColocatedRollout, json_payload
+from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
+from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout, StepNotInstalled
 from colocate_runtime.sglang.standin import StandinState, TinyLM, serve
 from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
 
@@ -27,14 +31,69 @@ FAST = HttpPolicy(timeout_s=5, update_timeout_s=30, retries=3, backoff_s=0.05, m
 NOOP_LOADER = "noop"
 
 
-@pytest.fixture
-def standin() -> Iterator[tuple[StandinState, SGLangClient]]:
-    state = StandinState(TinyLM(), {NOOP_LOADER: lambda model, named: None})
+@pytest.fixture(params=versions.PINNED)
+def standin(request: pytest.FixtureRequest) -> Iterator[tuple[StandinState, SGLangClient]]:
+    state = StandinState(TinyLM(), {NOOP_LOADER: lambda model, named: None}, version=request.param)
     server = serve(state)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", FAST)
     yield state, client
     server.shutdown()
     server.server_close()
+
+
+def test_version_table_rows_and_refusals() -> None:
+    old, mid, new = versions.traits("0.5.10"), versions.traits("0.5.20.post1"), versions.traits("0.5.23")
+    assert (old.session, old.plugins, old.pause_mode, old.ready_path) == (
+        False,
+        False,
+        "abort",
+        "/model_info",
+    )
+    assert (mid.session, mid.plugins, mid.pause_mode, mid.ready_path) == (False, True, "abort", "/ready")
+    assert (new.session, new.plugins, new.pause_mode) == (True, True, "retract")
+    with pytest.raises(
+        versions.UnsupportedEngine, match=r"SGLang 0\.5\.9 is not supported.*0\.5\.10 to 0\.5\.23"
+    ):
+        versions.traits("0.5.9")
+    with pytest.raises(versions.UnsupportedEngine, match="allow_untested"):
+        versions.traits("0.6.0")
+    assert versions.traits("0.6.0", allow_untested=True).session
+    with pytest.raises(versions.UnsupportedEngine, match="not a version number"):
+        versions.traits("main")
+
+
+def test_client_detects_the_version_and_refuses_an_unsupported_one(standin) -> None:
+    state, client = standin
+    assert client.detect().version == state.engine.version
+    assert client.ready()  # the probe path of that version answers
+    stale = SGLangClient(client.base_url, FAST)
+    state.server_info = lambda body: (200, {"version": "0.4.9"})  # type: ignore[method-assign]
+    with pytest.raises(versions.UnsupportedEngine, match=r"0\.4\.9 is not supported"):
+        stale.detect()
+
+
+def test_session_where_the_version_needs_it(standin) -> None:
+    state, client = standin
+    raw = requests.post(
+        f"{client.base_url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [EMPTY_PAYLOAD], "load_format": NOOP_LOADER},
+        timeout=5,
+    )
+    assert raw.ok != state.engine.session  # refused outside a session exactly where SGLang refuses it
+    client.update_weights_from_tensor([EMPTY_PAYLOAD], load_format=NOOP_LOADER, weight_version="v2")
+    assert client.get_weight_version() == "v2"
+    sessions = state.calls.count("/begin_weight_update"), state.calls.count("/end_weight_update")
+    assert sessions == ((1, 1) if state.engine.session else (0, 0))
+    assert not state.session
+
+
+def test_a_raising_loader_kills_the_standin_as_it_kills_sglang(standin) -> None:
+    state, client = standin
+    state.loaders["boom"] = lambda model, named: (_ for _ in ()).throw(RuntimeError("reader failed"))
+    with pytest.raises(SGLangError):
+        client.update_weights_from_tensor([EMPTY_PAYLOAD], load_format="boom")
+    assert state.crashed and "reader failed" in state.crashed
+    assert not client.ready()  # nothing answers any more
 
 
 def test_release_and_resume_are_tracked_so_repeats_are_safe(standin) -> None:
@@ -48,32 +107,33 @@ def test_release_and_resume_are_tracked_so_repeats_are_safe(standin) -> None:
     assert client.resume_memory_occupation(None) == ["kv_cache", "cuda_graph"]
     assert client.resume_memory_occupation(None) == []
     assert state.calls.count("/resume_memory_occupation") == 2 and state.released == set()
-    # Without the tracking the engine is asked twice, which SGLang itself may not survive.
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        client.release_memory_occupation(["everything"])
+    # Without the tracking the engine is asked twice, which SGLang does not survive.
     raw = requests.post(
         f"{client.base_url}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=5
     )
     assert raw.ok
-    raw = requests.post(
-        f"{client.base_url}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=5
-    )
-    assert raw.status_code == 500
-    with pytest.raises(ValueError, match="unknown memory tags"):
-        client.release_memory_occupation(["everything"])
+    with pytest.raises(requests.ConnectionError):
+        requests.post(f"{client.base_url}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=5)
+    assert state.crashed
 
 
 def test_pause_continue_and_version(standin) -> None:
     state, client = standin
-    client.pause_generation("retract")
-    client.pause_generation("retract")
+    client.pause_generation()
+    client.pause_generation()
     assert state.paused and state.calls.count("/pause_generation") == 1
+    assert client.ready() and not client.health()  # /health generates: it fails while paused
     client.flush_cache()
     client.update_weight_version("v7")
     assert client.get_weight_version() == "v7"
     client.continue_generation()
     client.continue_generation()
     assert not state.paused and state.calls.count("/continue_generation") == 1
-    with pytest.raises(SGLangError, match="cannot flush"):
+    with pytest.raises(SGLangError, match="Cache not flushed"):
         client.flush_cache()  # the engine refuses while requests may run: surfaced, not retried forever
+    assert client.get_weights_by_name("norm", truncate_size=3) == [1.0, 1.0, 1.0]  # SGLang's bare list
 
 
 def test_bounded_retries_and_refusals(standin) -> None:
@@ -91,7 +151,7 @@ def test_bounded_retries_and_refusals(standin) -> None:
     state.faults["/release_memory_occupation"] = 0
     client.release_memory_occupation(["weights"])
     with pytest.raises(SGLangError, match="resume the 'weights' tag"):
-        client.update_weights_from_tensor([json_payload(0)], load_format=NOOP_LOADER)
+        client.update_weights_from_tensor([EMPTY_PAYLOAD], load_format=NOOP_LOADER)
     dead = SGLangClient(f"http://127.0.0.1:{free_port()}", FAST)
     t0 = time.monotonic()
     with pytest.raises(SGLangError):
@@ -113,11 +173,8 @@ def colocated_env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]: 
     }
 
 
-def test_colocated_cycle_updates_the_standin_model_in_its_own_process(
-    colocated_env: dict[str, str], tmp_path: Path
-) -> None:
-    port = free_port()
-    log = open(tmp_path / "standin.log", "ab")  # noqa: SIM115
+def _spawn_standin(env: dict[str, str], port: int, log_path: Path, version: str) -> subprocess.Popen:
+    log = open(log_path, "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -127,40 +184,101 @@ def test_colocated_cycle_updates_the_standin_model_in_its_own_process(
             str(port),
             "--custom-weight-loader",
             LOADER_PATH,
+            "--custom-weight-loader",
+            INIT_LOADER_PATH,
+            "--sglang-version",
+            version,
         ],
-        env={**os.environ, **colocated_env, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
     log.close()
-    cfg = ColocateConfig.from_env(colocated_env)
-    writer = new_writer(cfg)
+    return proc
+
+
+def _assert_serves(client: SGLangClient, trained: TinyLM, version: str) -> None:
+    assert client.get_weight_version() == version
+    for name, p in trained.named_parameters():
+        got = torch.tensor(client.get_weights_by_name(name, truncate_size=10_000))
+        assert torch.equal(got, p.detach().float().reshape(-1)), name
+    prompt = [1, 2, 3, 4]
+    out = requests.post(
+        f"{client.base_url}/generate",
+        json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}},
+        timeout=10,
+    ).json()
+    assert out["output_ids"] == trained.greedy(prompt, 6)
+    assert out["meta_info"]["weight_version"] == version
+
+
+@pytest.mark.parametrize("version", versions.PINNED)
+def test_colocated_cycle_updates_the_standin_model_in_its_own_process(
+    colocated_env: dict[str, str], tmp_path: Path, version: str
+) -> None:
+    port = free_port()
+    proc = _spawn_standin(
+        {**colocated_env, "COLOCATE_IPC_PREFLIGHT": "Wait"}, port, tmp_path / "s.log", version
+    )
+    cfg = ColocateConfig.from_env({**colocated_env, "COLOCATE_IPC_PREFLIGHT": "Wait"})
     client = SGLangClient(f"http://127.0.0.1:{port}", FAST)
-    rollout = ColocatedRollout(client, payload=json_payload)
+    rollout = ColocatedRollout(client)
+    writer = None
     try:
         client.wait_ready(60)
-        prompt = [1, 2, 3, 4]
+        rollout.start()  # the init call starts the stand-in's preflight responder
+        writer = new_writer(cfg)  # returns once the preflight passed
+        assert writer.preflight_passed
         for step in (1, 2, 3):
             trained = TinyLM(seed=100 + step)
             rollout.before_training()
             assert client.released == {"kv_cache", "weights", "cuda_graph"} and client.paused
             pending = writer.publish(step, dict(trained.named_parameters()), weight_version=f"v{step}")
-            rollout.install_weights(f"v{step}")  # returns once the stand-in's reader has ACKed
-            report = writer.wait_and_free(pending)
+            report = rollout.install_weights(f"v{step}", confirm=partial(writer.wait_and_free, pending))
             assert report.step == step and not client.released and not client.paused
-            assert client.get_weight_version() == f"v{step}"
-            for name, p in trained.named_parameters():
-                got = torch.tensor(client.get_weights_by_name(name, truncate_size=10_000))
-                assert torch.equal(got, p.detach().float().reshape(-1)), name
-            out = requests.post(
-                f"{client.base_url}/generate",
-                json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}},
-                timeout=10,
-            ).json()
-            assert out["output_ids"] == trained.greedy(prompt, 6)
-            assert out["meta_info"]["weight_version"] == f"v{step}"
+            _assert_serves(client, trained, f"v{step}")
         assert list(Path(cfg.shm_dir).iterdir()) == []
+    finally:
+        if writer is not None:
+            writer.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_failed_step_keeps_generation_paused_and_the_next_one_installs(
+    colocated_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**colocated_env, "COLOCATE_STEP_TIMEOUT_SECONDS": "2"}
+    port = free_port()
+    proc = _spawn_standin(env, port, tmp_path / "s.log", versions.PINNED[-1])
+    cfg = ColocateConfig.from_env(env)
+    client = SGLangClient(f"http://127.0.0.1:{port}", FAST)
+    rollout = ColocatedRollout(client)
+    writer = new_writer(cfg)
+    try:
+        client.wait_ready(60)
+        rollout.start()
+        first = TinyLM(seed=1)
+        rollout.before_training()
+        pending = writer.publish(1, dict(first.named_parameters()), weight_version="v1")
+        rollout.install_weights("v1", confirm=partial(writer.wait_and_free, pending))
+        # Step 2 comes too late: the reader inside the engine times out (the loader must not raise, or the
+        # server dies), the engine answers, and the trainer's writer gives up on the step it then publishes.
+        rollout.before_training()
+        late = TinyLM(seed=2)
+        with pytest.raises(StepNotInstalled, match="StepTimedOut"):
+            rollout.install_weights(
+                "v2",
+                confirm=lambda: writer.wait_and_free(writer.publish(2, dict(late.named_parameters()))),
+            )
+        assert proc.poll() is None and client.ready() and client.paused
+        assert client.get_weight_version() == "v1"  # the version is not moved by a failed step
+        third = TinyLM(seed=3)
+        pending = writer.publish(3, dict(third.named_parameters()), weight_version="v3")
+        report = rollout.install_weights("v3", confirm=partial(writer.wait_and_free, pending))
+        assert report.step == 3 and not client.paused and not client.released
+        _assert_serves(client, third, "v3")
     finally:
         writer.close()
         proc.kill()
