@@ -107,6 +107,18 @@ def contract_env(
     return env
 
 
+def rollout_probes() -> dict[str, Any]:
+    """SGLang's probes on `/model_info`, which every supported SGLang answers without running a generation:
+    `/health` generates a token and fails while the engine is paused for training, so a probe on it would
+    restart SGLang in the middle of every step. Startup allows 30 minutes for a large model to load."""
+    get = {"httpGet": {"path": "/model_info", "port": PORT_NAMES[CONTAINER_ROLLOUT]}, "timeoutSeconds": 10}
+    return {
+        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**get, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 6},
+    }
+
+
 def container(
     job: ColocateJob, index: int, restart: int, role: str, store: MetaStoreEndpoint, config: OperatorConfig
 ) -> dict[str, Any]:
@@ -125,6 +137,8 @@ def container(
         *(dict(e) for e in user.env),
     ]
     body["ports"] = [{"name": PORT_NAMES[role], "containerPort": port(job, role), "protocol": "TCP"}]
+    if role == CONTAINER_ROLLOUT:
+        body.update(rollout_probes())
     body["resources"] = gpus.container_resources(job, role, user.resources)
     body["volumeMounts"] = [
         {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},

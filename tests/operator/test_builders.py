@@ -76,6 +76,14 @@ def test_pod_layout_same_gpus_shared_shm_and_pid_namespace() -> None:
     assert anti["topologyKey"] == "kubernetes.io/hostname"
 
 
+def test_sglang_probes_never_generate_so_they_stay_green_while_paused() -> None:
+    trainer, rollout = build_pod(factories.job())["spec"]["containers"]
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(trainer)
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert rollout[kind]["httpGet"] == {"path": "/model_info", "port": "http"}, kind
+    assert rollout["startupProbe"]["periodSeconds"] * rollout["startupProbe"]["failureThreshold"] >= 1800
+
+
 def test_ipc_preflight_waits_by_default_in_both_containers() -> None:
     for container in build_pod(factories.job())["spec"]["containers"]:
         env = env_of(container)
