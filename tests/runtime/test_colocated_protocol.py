@@ -296,6 +296,33 @@ def test_keys_of_a_stale_incarnation_are_ignored(cfg: ColocateConfig) -> None:
         old.exporter.free(stale.buckets)
 
 
+def test_finalize_runs_on_the_new_weights_before_the_ack_and_its_failure_fails_the_step(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    targets = model.targets()
+    seen: list[list[str]] = []
+
+    def post_load() -> None:  # SGLang's post_load_weights derives tensors from the written weights
+        seen.append(model.all_equal(model.weights(len(seen) + 1), targets))
+        if len(seen) == 2:
+            raise RuntimeError("post-load failed")
+
+    reader = new_reader(cfg, targets, finalize=post_load)
+    try:
+        pending = writer.publish(1, model.weights(1))
+        report = reader.apply_next(timeout_s=5)
+        assert seen == [[]] and "finalize" in report.phase_seconds
+        assert writer.wait_and_free(pending).step == 1
+        pending = writer.publish(2, model.weights(2))
+        with pytest.raises(RuntimeError, match="post-load failed"):
+            reader.apply_next(timeout_s=5)
+        with pytest.raises(StepRejected, match="post-load failed") as err:
+            writer.wait_and_free(pending)  # the ACK says so: the trainer does not count the step as done
+        assert err.value.freed and shm_files(cfg) == [] and seen[1] == []
+    finally:
+        reader.close()
+
+
 def test_dtype_mismatch_is_rejected_with_closed_mappings(cfg: ColocateConfig, writer: WeightWriter) -> None:
     targets = model.targets()
     targets["model.layers.0.mlp.gate.weight"] = targets["model.layers.0.mlp.gate.weight"].to(torch.bfloat16)
