@@ -219,7 +219,6 @@ def main() -> int:
                     str(rollout_port),
                     "--custom-weight-loader",
                     LOADER,
-                    "--custom-weight-loader",
                     INIT_LOADER,
                 ],
                 logs / f"rollout-{index}.log",

@@ -8,7 +8,7 @@ the difference; it also tracks whether generation is paused. Every call has a ti
 only when the request never reached the server (connection refused) or the server answered 503.
 
 The engine's version is read from `/server_info` at the first call that depends on it (`detect()`), and its
-behaviour comes from one table (versions.py): the weight-update session, the safe pause mode, the probe path.
+behaviour comes from one table (versions.py): the weight-update session, plugins, the safe pause mode.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import requests
 from urllib3.exceptions import NewConnectionError
 
-from colocate_runtime.sglang.versions import EngineTraits, traits
+from colocate_runtime.sglang.versions import PROBE_PATH, EngineTraits, traits
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ class SGLangClient:
         return self._ok("/health")
 
     def ready(self) -> bool:
-        """Answers without a generation, also while paused (the probe path of this version)."""
-        return self._ok(self.engine.ready_path)
+        """The server answers: `/model_info`, which runs no generation and answers while paused."""
+        return self._ok(PROBE_PATH)
 
     def _ok(self, path: str) -> bool:
         try:
@@ -260,7 +260,8 @@ class SGLangClient:
         )
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """The first `truncate_size` values of a parameter (SGLang answers a bare, nested list)."""
+        """The first `truncate_size` values of a parameter (SGLang answers a bare, nested list). Only some of
+        SGLang's models implement it (Llama and Qwen2 do, Qwen3 does not: HTTP 400)."""
         body = self._call(
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, effectful=False
         )

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from colocate_runtime.sglang import versions
 from colocate_runtime.sglang.versions import NEWEST, EngineTraits, traits
 
 log = logging.getLogger(__name__)
@@ -147,9 +148,9 @@ class StandinState:
         return 200, {"model_path": "stand-in", "weight_version": self.weight_version}
 
     def ready(self, body: dict) -> tuple[int, dict]:
-        if self.engine.ready_path != "/ready":
+        if versions.parse(self.engine.version) < (0, 5, 20):
             return 404, {"detail": "Not Found"}
-        return 200, {}
+        return (503 if self.paused else 200), {}  # SGLang: not ready while paused
 
     def generate(self, body: dict) -> tuple[int, dict]:
         with self.lock:
@@ -339,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--custom-weight-loader", action="append", default=[])
+    # As in SGLang: one flag takes every name (nargs="*"); a repeated flag keeps only its last occurrence.
+    p.add_argument("--custom-weight-loader", nargs="*", default=[])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sglang-version", default=DEFAULT_VERSION, help="the SGLang release to behave like")
     p.add_argument("--faults", default="{}", help='JSON {"/path": n}: answer 503 to the first n calls')

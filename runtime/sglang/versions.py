@@ -3,12 +3,11 @@
 Every row was read off SGLang's own wheels (2026-12-01; `grep` of the release's code, see
 docs/sglang.md) and the two pinned versions run in the conformance tier (tests/sglang_real/):
 
-| from   | session | plugins | pause mode | /ready |
-|--------|---------|---------|------------|--------|
-| 0.5.10 | no      | no      | abort      | no     |
-| 0.5.11 | no      | yes     | abort      | no     |
-| 0.5.20 | no      | yes     | abort      | yes    |
-| 0.5.21 | yes     | yes     | retract    | yes    |
+| from   | session | plugins | pause mode |
+|--------|---------|---------|------------|
+| 0.5.10 | no      | no      | abort      |
+| 0.5.11 | no      | yes     | abort      |
+| 0.5.21 | yes     | yes     | retract    |
 
 - session: `update_weights_from_tensor` is refused (HTTP 400) outside `/begin_weight_update` ...
   `/end_weight_update` (SGLang PR #28001).
@@ -19,7 +18,8 @@ docs/sglang.md) and the two pinned versions run in the conformance tier (tests/s
   cannot crash there; from 0.5.21 on, the check ignores the waiting queue while paused, and `retract` keeps
   the requests.
 - every supported release reports the weight version in `/model_info` (`/get_weight_version` answers 404 or
-  is gone) and answers `/get_weights_by_name` with a bare list.
+  is gone), answers `/get_weights_by_name` with a bare list, and answers `/model_info` without a generation,
+  also while paused (`/health` generates; `/ready`, from 0.5.20, is 503 while paused): the probe path.
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ class EngineTraits:
     session: bool  # updates only inside begin_weight_update ... end_weight_update
     plugins: bool  # `sglang.srt.plugins` entry points run in every scheduler process at start
     pause_mode: str  # the pause mode that `release_memory_occupation` survives with requests in flight
-    ready_path: str  # a probe that answers without running a generation, also while paused
 
 
-# (first version, session, plugins, pause mode, ready path); each row holds until the next one.
-_ROWS: tuple[tuple[Version, bool, bool, str, str], ...] = (
-    ((0, 5, 10), False, False, "abort", "/model_info"),
-    ((0, 5, 11), False, True, "abort", "/model_info"),
-    ((0, 5, 20), False, True, "abort", "/ready"),
-    ((0, 5, 21), True, True, "retract", "/ready"),
+PROBE_PATH = "/model_info"  # answers without a generation on every supported release, also while paused
+
+# (first version, session, plugins, pause mode); each row holds until the next one.
+_ROWS: tuple[tuple[Version, bool, bool, str], ...] = (
+    ((0, 5, 10), False, False, "abort"),
+    ((0, 5, 11), False, True, "abort"),
+    ((0, 5, 21), True, True, "retract"),
 )
 
 
@@ -79,7 +79,7 @@ def traits(version: str, *, allow_untested: bool = False) -> EngineTraits:
             + (", or allow_untested=True to try a newer one" if v > NEWEST else "")
         )
     row = [r for r in _ROWS if r[0] <= v][-1]
-    return EngineTraits(version, session=row[1], plugins=row[2], pause_mode=row[3], ready_path=row[4])
+    return EngineTraits(version, session=row[1], plugins=row[2], pause_mode=row[3])
 
 
 def _dotted(v: Version) -> str:

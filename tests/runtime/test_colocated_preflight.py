@@ -217,7 +217,6 @@ def test_the_sglang_standin_answers_through_the_loader_and_the_step_follows(
             str(port),
             "--custom-weight-loader",
             LOADER_PATH,
-            "--custom-weight-loader",
             INIT_LOADER_PATH,
         )
     )

@@ -43,13 +43,8 @@ def standin(request: pytest.FixtureRequest) -> Iterator[tuple[StandinState, SGLa
 
 def test_version_table_rows_and_refusals() -> None:
     old, mid, new = versions.traits("0.5.10"), versions.traits("0.5.20.post1"), versions.traits("0.5.23")
-    assert (old.session, old.plugins, old.pause_mode, old.ready_path) == (
-        False,
-        False,
-        "abort",
-        "/model_info",
-    )
-    assert (mid.session, mid.plugins, mid.pause_mode, mid.ready_path) == (False, True, "abort", "/ready")
+    assert (old.session, old.plugins, old.pause_mode) == (False, False, "abort")
+    assert (mid.session, mid.plugins, mid.pause_mode) == (False, True, "abort")
     assert (new.session, new.plugins, new.pause_mode) == (True, True, "retract")
     with pytest.raises(
         versions.UnsupportedEngine, match=r"SGLang 0\.5\.9 is not supported.*0\.5\.10 to 0\.5\.23"
@@ -65,7 +60,7 @@ def test_version_table_rows_and_refusals() -> None:
 def test_client_detects_the_version_and_refuses_an_unsupported_one(standin) -> None:
     state, client = standin
     assert client.detect().version == state.engine.version
-    assert client.ready()  # the probe path of that version answers
+    assert client.ready()  # /model_info answers
     stale = SGLangClient(client.base_url, FAST)
     state.server_info = lambda body: (200, {"version": "0.4.9"})  # type: ignore[method-assign]
     with pytest.raises(versions.UnsupportedEngine, match=r"0\.4\.9 is not supported"):
@@ -184,7 +179,6 @@ def _spawn_standin(env: dict[str, str], port: int, log_path: Path, version: str)
             str(port),
             "--custom-weight-loader",
             LOADER_PATH,
-            "--custom-weight-loader",
             INIT_LOADER_PATH,
             "--sglang-version",
             version,
