@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -281,6 +282,41 @@ def test_a_step_that_times_out_leaves_sglang_serving_and_the_next_step_installs(
         weights = _trained(held, seed=21)
         _publish_and_install(rollout, writers, weights, 21)
         assert not client.paused and client.get_weight_version() == "v21"
+        _assert_bitwise(engine.params(), weights)
+    finally:
+        for w in writers:
+            w.close()
+    assert engine.alive()
+
+
+def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Engine) -> None:
+    """Finding 6: on 0.5.10 a `retract` pause followed by a release kills the scheduler when a request is in
+    flight (the release asserts an empty waiting queue). The client pauses in a mode the version survives."""
+    client = engine.client
+    rollout = ColocatedRollout(client)
+    rollout.start()
+    held = engine.params()
+    answer: list[requests.Response] = []
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    thread = threading.Thread(
+        target=lambda: answer.append(requests.post(f"{client.base_url}/generate", json=body, timeout=120))
+    )
+    seen = len(engine.log.read_text(errors="replace"))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "Decode batch" not in engine.log.read_text(errors="replace")[seen:]:  # one every 40 tokens
+        assert time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.1)
+    writers = _writers(engine)
+    try:
+        rollout.before_training()  # pause (abort before 0.5.21, retract after) and release everything
+        assert engine.alive(), _tail(engine.log)
+        weights = _trained(held, seed=30)
+        _publish_and_install(rollout, writers, weights, 30)
+        thread.join(120)
+        assert answer and answer[0].ok  # aborted (finish reason abort) or retracted and finished afterwards
+        finish = answer[0].json()["meta_info"]["finish_reason"]["type"]
+        assert finish == ("length" if client.engine.pause_mode == "retract" else "abort")
         _assert_bitwise(engine.params(), weights)
     finally:
         for w in writers:
