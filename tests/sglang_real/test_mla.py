@@ -1,0 +1,155 @@
+"""Derived tensors after a colocated install, on REAL SGLang: a tiny DeepSeek-V2 (MLA) on CPU, every pinned
+version.
+
+SGLang's own code here: `sglang.launch_server` from PyPI, its DeepseekV2ForCausalLM with MLA attention, its
+`load_weights` and `post_load_weights` (which derives `w_kc` / `w_vc` from `kv_b_proj`), generation and
+log-probabilities. Ours or a stand-in: the environment and launch of test_conformance.py (TP 1 here, random
+weights), the trainer side (`new_writer`, shared memory for CUDA IPC, a real redis-server), our loader, and
+the probe loaders of probe.py: `mla_everywhere` (SGLang's torch_native backend cannot run DeepSeek's MHA
+prefill, so every batch takes SGLang's MLA path: see its docstring), `reference_load` (SGLang's own
+`model.load_weights`) and `copy_without_post_load` (the negative control).
+
+Claim: generation after our install equals generation after SGLang loads the same weights itself, and the
+comparison sees `w_kc` / `w_vc`: a copy that skips `post_load_weights` generates differently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.wiring import new_writer
+from colocate_runtime.sglang import versions
+from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
+from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
+from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout
+from tests.runtime.redis_fixture import RedisServer, free_port, redis_binary
+from tests.sglang_real import server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+DUMP = "tests.sglang_real.probe.dump"
+MLA = "tests.sglang_real.probe.mla_everywhere"
+REFERENCE = "tests.sglang_real.probe.reference_load"
+STALE = "tests.sglang_real.probe.copy_without_post_load"
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+class Engine:
+    def __init__(self, client: SGLangClient, cfg: ColocateConfig, probe_dir: Path) -> None:
+        self.client, self.cfg, self.probe_dir = client, cfg, probe_dir
+
+    def call(self, loader: str) -> None:
+        self.client.update_weights_from_tensor([EMPTY_PAYLOAD], load_format=loader, flush_cache=True)
+
+    def load(self, loader: str, weights: dict[str, torch.Tensor]) -> None:
+        """A probe loader that reads `weights` from the probe folder."""
+        torch.save(weights, self.probe_dir / "weights.pt")
+        self.call(loader)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        self.call(DUMP)
+        return torch.load(self.probe_dir / "params-rank0.pt")
+
+    def generate(self) -> dict:
+        """Greedy, with the log-probabilities of every prompt and output token and the top 5 of each."""
+        out = requests.post(
+            f"{self.client.base_url}/generate",
+            json={
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 5,
+            },
+            timeout=120,
+        )
+        assert out.ok, out.text
+        meta = out.json()["meta_info"]
+        return {k: meta[k] for k in meta if "logprobs" in k} | {"output_ids": out.json()["output_ids"]}
+
+
+@pytest.fixture(scope="module", params=versions.PINNED)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    version = request.param
+    binary = redis_binary()
+    if binary is None:
+        pytest.fail("redis-server is not installed (make setup installs it)")
+    work = tmp_path_factory.mktemp(f"mla-{version}")
+    (work / "redis").mkdir()
+    redis = RedisServer(binary, work / "redis")
+    redis.start()
+    colocate = {
+        "COLOCATE_JOB_NAME": f"mla-{version.replace('.', '-')}",
+        "COLOCATE_NAMESPACE": "conformance",
+        **redis.env(),
+        "COLOCATE_TRANSPORT": "SharedMemory",
+        "COLOCATE_SHM_DIR": str(work / "shm"),
+        "COLOCATE_STEP_TIMEOUT_SECONDS": "30",
+        "COLOCATE_VERIFY": "SampledChecksum",
+    }
+    (work / "shm").mkdir()
+    (probe_dir := work / "probe").mkdir()
+    base = {**os.environ, **colocate, "PYTHONPATH": server.pythonpath(version)}
+    env = server.environment(1, base | {"SGLANG_REAL_PROBE_DIR": str(probe_dir)}, arch="deepseek_v2")
+    port = free_port()
+    cmd = server.command(
+        server.write_tiny_model(work / "model", "deepseek_v2"),
+        port,
+        loaders=(LOADER_PATH, INIT_LOADER_PATH, DUMP, MLA, REFERENCE, STALE),
+        # No warm-up generation before `mla_everywhere` is in; no prefix KV cached across weight changes.
+        extra=("--skip-server-warmup", "--disable-radix-cache"),
+    )
+    log = work / "sglang.log"
+    proc = server.launch(cmd, env, log)
+    client = SGLangClient(f"http://127.0.0.1:{port}", HttpPolicy(timeout_s=60, update_timeout_s=120))
+    try:
+        client.wait_ready(60)
+        handle = Engine(client, ColocateConfig.from_env(colocate), probe_dir)
+        handle.call(MLA)  # before any generation (hence --skip-server-warmup)
+        yield handle
+    finally:
+        server.stop(proc)
+        redis.stop()
+
+
+def _random(held: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """New weights in SGLang's names, shapes and dtypes; norms near 1 so every layer counts."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in held.items():
+        noise = torch.randn(t.shape, generator=g)
+        out[name] = (1 + 0.1 * noise if "norm" in name else 0.2 * noise).to(t.dtype)
+    return out
+
+
+def test_generation_after_our_install_equals_sglangs_own_load_of_the_same_weights(engine: Engine) -> None:
+    held = engine.params()
+    assert any(n.endswith("self_attn.kv_b_proj.weight") for n in held), sorted(held)  # MLA, as configured
+    w1, w2 = _random(held, seed=1), _random(held, seed=2)
+
+    rollout = ColocatedRollout(engine.client)
+    rollout.start()
+    writer = new_writer(engine.cfg, rank=0)
+    try:
+        rollout.before_training()
+        pending = writer.publish(1, w1, weight_version="v1")
+        rollout.install_weights("v1", confirm=lambda: writer.wait_and_free(pending))
+    finally:
+        writer.close()
+    assert all(torch.equal(t, w1[n]) for n, t in engine.params().items())  # moved by our loader
+    ours = engine.generate()
+
+    engine.load(REFERENCE, w1)
+    assert engine.generate() == ours
+
+    # The comparison sees the derived tensors: new weights without post_load_weights generate differently.
+    engine.load(STALE, w2)
+    stale = engine.generate()
+    engine.load(REFERENCE, w2)
+    assert engine.generate() != stale
