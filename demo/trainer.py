@@ -62,7 +62,7 @@ def main() -> int:
     vocab = model.embed_tokens.shape[0]
     data = torch.arange(256) % vocab  # learn to count: next token = token + 1
 
-    client = SGLangClient(cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3))
+    client = SGLangClient(cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=cfg.sglang_api_key)
     client.wait_ready(60)
     rollout = ColocatedRollout(client)
     rollout.start()  # the engine's workers answer the writer's IPC preflight from now on

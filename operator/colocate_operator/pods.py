@@ -108,10 +108,11 @@ def contract_env(
 
 
 def rollout_probes() -> dict[str, Any]:
-    """SGLang's probes on `/model_info`, which every supported SGLang answers without running a generation:
-    `/health` generates a token and fails while the engine is paused for training, so a probe on it would
-    restart SGLang in the middle of every step. Startup allows 30 minutes for a large model to load."""
-    get = {"httpGet": {"path": "/model_info", "port": PORT_NAMES[CONTAINER_ROLLOUT]}, "timeoutSeconds": 10}
+    """SGLang's probes: its HTTP port accepting connections (SGLang listens only once its model is loaded).
+    Not `/health`: it generates a token and fails while the engine is paused for training, so a probe on it
+    would restart SGLang in the middle of every step; not `/ready` (503 while paused) nor `/model_info` (401
+    when SGLang runs with an API key). Startup allows 30 minutes for a large model to load."""
+    get = {"tcpSocket": {"port": PORT_NAMES[CONTAINER_ROLLOUT]}, "timeoutSeconds": 10}
     return {
         "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**get, "periodSeconds": 10, "failureThreshold": 3},

@@ -27,6 +27,10 @@ Optional, with defaults:
 | `COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS` | `60` | one preflight attempt; no answer in it: `PeerTimeout` |
 | `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `900` | `Wait` mode gives up (raises) after this long; `0`: never |
 
+Set by the user, not the operator (both containers, from a Secret): `SGLANG_API_KEY`, the key SGLang runs
+with (`--api-key $(SGLANG_API_KEY)`, or its `--admin-api-key` where one is set); the adapter sends it as a
+bearer token and never logs it.
+
 The operator sets `COLOCATE_IPC_PREFLIGHT` from `spec.weightSync.ipcPreflight.mode` (default `Wait`); unset,
 it is `Off`, because outside the operator's pods (tests, benchmarks) nothing may answer a preflight.
 
@@ -71,6 +75,7 @@ class ColocateConfig:
     transport: str = "CudaIPC"
     shm_dir: str = "/dev/shm"
     sglang_url: str = "http://127.0.0.1:30000"
+    sglang_api_key: str | None = field(default=None, repr=False)
     ipc_preflight: str = "Off"
     ipc_preflight_timeout_s: float = 60.0
     ipc_preflight_wait_s: float = 900.0  # bounded: a worker side that never starts is an error; 0: forever
@@ -144,6 +149,7 @@ class ColocateConfig:
             shm_dir=environ.get("COLOCATE_SHM_DIR", "").strip() or "/dev/shm",
             sglang_url=environ.get("COLOCATE_SGLANG_URL", "").strip()
             or f"http://127.0.0.1:{int(number('COLOCATE_ROLLOUT_PORT', 30000, int))}",
+            sglang_api_key=environ.get("SGLANG_API_KEY", "").strip() or None,
             ipc_preflight=environ.get("COLOCATE_IPC_PREFLIGHT", "").strip() or "Off",
             ipc_preflight_timeout_s=number("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", 60.0),
             ipc_preflight_wait_s=number("COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS", 900.0),

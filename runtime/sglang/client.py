@@ -51,11 +51,17 @@ class SGLangClient:
         policy: HttpPolicy | None = None,
         session: requests.Session | None = None,
         *,
+        api_key: str | None = None,
         allow_untested: bool = False,
     ) -> None:
+        """`api_key`: SGLang's `--api-key`, or its `--admin-api-key` where one is set (the weight-update
+        endpoints then take only that one); sent as a bearer token, never logged."""
         self.base_url = base_url.rstrip("/")
         self.policy = policy or HttpPolicy()
         self.session = session or requests.Session()
+        self._api_key = api_key
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.allow_untested = allow_untested
         self.released: set[str] = set()
         self.paused = False
@@ -72,7 +78,8 @@ class SGLangClient:
             if not version:
                 raise SGLangError(f"{self.base_url}/server_info names no SGLang version: is this SGLang?")
             self._engine = traits(str(version), allow_untested=self.allow_untested)
-            self.server_info = info
+            # SGLang 0.5.10 echoes its API keys here (in more than one field): keep none of them.
+            self.server_info = _redacted(info, self._api_key)
             log.info("SGLang %s at %s: %s", version, self.base_url, self._engine)
         return self._engine
 
@@ -266,6 +273,17 @@ class SGLangClient:
             "POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, effectful=False
         )
         return list(body.get("value") or [])
+
+
+def _redacted(value: Any, secret: str | None) -> Any:
+    """`value` without `*api_key*` fields and with `secret` cut out of every string, however deep."""
+    if isinstance(value, dict):
+        return {k: _redacted(v, secret) for k, v in value.items() if "api_key" not in str(k)}
+    if isinstance(value, list | tuple):
+        return [_redacted(v, secret) for v in value]
+    if isinstance(value, str) and secret and secret in value:
+        return value.replace(secret, "<redacted>")
+    return value
 
 
 def _tags(tags: Iterable[str] | None) -> list[str]:

@@ -88,12 +88,14 @@ class StandinState:
         *,
         version: str = DEFAULT_VERSION,
         on_crash: Callable[[str], None] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.model = model
         self.loaders = loaders
         self.faults = dict(faults or {})
         self.engine: EngineTraits = traits(version)
         self.on_crash = on_crash
+        self.api_key = api_key
         self.released: set[str] = set()
         self.paused = False
         self.session = False
@@ -103,7 +105,12 @@ class StandinState:
         self.calls: list[str] = []
         self.lock = threading.Lock()
 
-    def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    def handle(
+        self, method: str, path: str, body: dict[str, Any], authorization: str | None = None
+    ) -> tuple[int, Any]:
+        # As SGLang's --api-key: a bearer token on every path but the probes' (/health*, /ready*, /metrics).
+        if self.api_key and authorization != f"Bearer {self.api_key}" and not _unauthenticated(path):
+            return 401, {"error": "Unauthorized"}
         if path == "/generate":  # outside the lock: a release while it runs is what SGLang asserts against
             return self.generate(body)
         with self.lock:
@@ -256,6 +263,10 @@ class StandinState:
         return 200, flat.tolist()
 
 
+def _unauthenticated(path: str) -> bool:
+    return path.startswith(("/health", "/ready", "/metrics"))
+
+
 def _unpickle_empty(payload: str) -> list:
     """SGLang unpickles payloads with an allow-list; the stand-in accepts only an empty list."""
     named = pickle.loads(base64.b64decode(payload)) if payload else None
@@ -300,7 +311,8 @@ def _handler(state: StandinState) -> type[BaseHTTPRequestHandler]:
                 code, reply = 400, {"success": False, "message": "body is not a JSON object"}
             else:
                 try:
-                    code, reply = state.handle(method, self.path.split("?", 1)[0], body)
+                    path = self.path.split("?", 1)[0]
+                    code, reply = state.handle(method, path, body, self.headers.get("Authorization"))
                 except Crashed:
                     self.close_connection = True  # no answer: the server is gone
                     return
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--custom-weight-loader", nargs="*", default=[])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sglang-version", default=DEFAULT_VERSION, help="the SGLang release to behave like")
+    p.add_argument("--api-key", default=None, help="require this bearer token, as SGLang's --api-key does")
     p.add_argument("--faults", default="{}", help='JSON {"/path": n}: answer 503 to the first n calls')
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(message)s")
@@ -354,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         json.loads(args.faults),
         version=args.sglang_version,
         on_crash=lambda why: os._exit(1),
+        api_key=args.api_key,
     )
     server = serve(state, args.host, args.port)
     log.info("SGLang stand-in on %s:%d", *server.server_address[:2])

@@ -80,7 +80,7 @@ def test_sglang_probes_never_generate_so_they_stay_green_while_paused() -> None:
     trainer, rollout = build_pod(factories.job())["spec"]["containers"]
     assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(trainer)
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert rollout[kind]["httpGet"] == {"path": "/model_info", "port": "http"}, kind
+        assert rollout[kind]["tcpSocket"] == {"port": "http"} and "httpGet" not in rollout[kind], kind
     assert rollout["startupProbe"]["periodSeconds"] * rollout["startupProbe"]["failureThreshold"] >= 1800
 
 

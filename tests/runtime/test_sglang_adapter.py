@@ -277,3 +277,30 @@ def test_a_failed_step_keeps_generation_paused_and_the_next_one_installs(
         writer.close()
         proc.kill()
         proc.wait()
+
+
+def test_api_key_is_sent_and_an_anonymous_caller_is_refused() -> None:
+    state = StandinState(TinyLM(), {NOOP_LOADER: lambda model, named: None}, api_key="k-123")
+    server = serve(state)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client = SGLangClient(url, FAST, api_key="k-123")
+        client.update_weights_from_tensor([EMPTY_PAYLOAD], load_format=NOOP_LOADER, weight_version="v1")
+        assert client.get_weight_version() == "v1" and client.health()
+        anonymous = SGLangClient(url, FAST)
+        assert anonymous.health()  # probes need no key, as in SGLang
+        with pytest.raises(SGLangError, match="401"):
+            anonymous.detect()
+        cfg = ColocateConfig.from_env({**_ENV, "SGLANG_API_KEY": "k-123"})
+        assert cfg.sglang_api_key == "k-123" and "k-123" not in repr(cfg)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+_ENV = {
+    "COLOCATE_JOB_NAME": "j",
+    "COLOCATE_NAMESPACE": "n",
+    "COLOCATE_METASTORE_ADDR": "127.0.0.1:6379",
+    "COLOCATE_METASTORE_PASSWORD": "p",
+}

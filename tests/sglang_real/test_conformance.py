@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -37,25 +38,13 @@ from tests.runtime.redis_fixture import RedisServer, free_port, redis_binary
 from tests.sglang_real import server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-REPO = Path(__file__).resolve().parents[2]
 TP = 2
 DUMP = "tests.sglang_real.probe.dump"
 EXCHANGE = "tests.sglang_real.probe.exchange"
 FAIL = "tests.sglang_real.probe.fail"
 ENGINE_STEP_TIMEOUT_S = 8  # the loader's wait for a step inside SGLang; the trainer's is shorter below
+API_KEY = secrets.token_hex(16)  # SGLang runs with --api-key: every call of ours carries it
 POLICY = HttpPolicy(timeout_s=60, update_timeout_s=120, retries=2, backoff_s=0.2)
-
-
-def sglang_pythonpath(version: str) -> str:
-    """Builds (once, cached) the import path in which SGLang `version` runs here."""
-    out = subprocess.run(
-        ["bash", str(REPO / "scripts" / "sglang-env.sh"), version],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 @dataclass
@@ -114,7 +103,7 @@ def engine(
     probe_dir = work / "probe"
     probe_dir.mkdir()
     port = free_port()
-    base = {**os.environ, **colocate, "PYTHONPATH": sglang_pythonpath(version)}
+    base = {**os.environ, **colocate, "PYTHONPATH": server.pythonpath(version)}
     base["SGLANG_REAL_PROBE_DIR"] = str(probe_dir)
     env = server.environment(TP, base)
     cmd = server.command(
@@ -122,43 +111,18 @@ def engine(
         port,
         TP,
         loaders=(LOADER_PATH, INIT_LOADER_PATH, DUMP, EXCHANGE, FAIL),
+        extra=("--api-key", API_KEY),
     )
     log = work / "sglang.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    client = SGLangClient(f"http://127.0.0.1:{port}", POLICY)
+    # Returns once SGLang's own warm-up generation is done: `/model_info` answers before, and a pause then
+    # leaves the warm-up request queued (on 0.5.10 the release's idle assert would then kill the scheduler).
+    proc = server.launch(cmd, env, log)
+    client = SGLangClient(f"http://127.0.0.1:{port}", POLICY, api_key=API_KEY)
     try:
-        try:
-            # Until SGLang's own warm-up generation is done: `/model_info` answers before, and a pause then
-            # leaves the warm-up request queued (on 0.5.10 the release's idle assert would then kill it).
-            server.wait_ready(log, proc, timeout_s=600)
-        except (RuntimeError, TimeoutError) as err:
-            pytest.fail(f"SGLang {version} did not start ({err}); its log ends:\n{_tail(log)}")
         client.wait_ready(60)
         yield Engine(version, proc, client, colocate, probe_dir, log)
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        server.stop(proc)
 
 
 def _writers(engine: Engine, **overrides: str) -> list[WeightWriter]:
@@ -199,8 +163,15 @@ def test_version_detected_and_the_engine_shape_read(engine: Engine) -> None:
     info = engine.client.server_info
     assert int(info["tp_size"]) == TP and LOADER_PATH in info["custom_weight_loader"]
     assert engine.client.ready()  # the probe path of this version answers without a generation
-    gone = requests.get(f"{engine.client.base_url}/get_weight_version", timeout=10)
+    gone = engine.client.session.get(f"{engine.client.base_url}/get_weight_version", timeout=10)
     assert gone.status_code == 404  # deprecated (0.5.10) or removed: the client reads /model_info
+    assert API_KEY not in str(info)  # 0.5.10 echoes its keys in /server_info; the client keeps none
+    anonymous = requests.post(
+        f"{engine.client.base_url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [EMPTY_PAYLOAD] * TP, "load_format": DUMP},
+        timeout=10,
+    )
+    assert anonymous.status_code == 401  # what the key is for: nobody else drives the weight updates
 
 
 def test_start_answers_the_preflight_before_any_weight_moves(engine: Engine) -> None:
@@ -240,7 +211,7 @@ def test_steps_move_the_trainers_weights_into_sglang_bitwise(engine: Engine) -> 
             assert not client.paused and not client.released
             assert client.get_weight_version() == f"v{step}"
             _assert_bitwise(engine.params(), weights)
-            out = requests.post(
+            out = client.session.post(
                 f"{client.base_url}/generate",
                 json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
                 timeout=60,
@@ -276,7 +247,7 @@ def test_a_step_that_times_out_leaves_sglang_serving_and_the_next_step_installs(
                 confirm=lambda: [w.wait_and_free(w.publish(20, late[r])) for r, w in enumerate(writers)],
             )
         assert time.monotonic() - t0 >= ENGINE_STEP_TIMEOUT_S
-        assert engine.alive(), _tail(engine.log)
+        assert engine.alive(), server.tail(engine.log)
         assert client.ready() and client.paused  # answering, and nothing served from half-written weights
         assert client.get_weight_version() == version_before
         weights = _trained(held, seed=21)
@@ -299,7 +270,9 @@ def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Eng
     answer: list[requests.Response] = []
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
     thread = threading.Thread(
-        target=lambda: answer.append(requests.post(f"{client.base_url}/generate", json=body, timeout=120))
+        target=lambda: answer.append(
+            client.session.post(f"{client.base_url}/generate", json=body, timeout=120)
+        )
     )
     seen = len(engine.log.read_text(errors="replace"))
     thread.start()
@@ -310,7 +283,7 @@ def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Eng
     writers = _writers(engine)
     try:
         rollout.before_training()  # pause (abort before 0.5.21, retract after) and release everything
-        assert engine.alive(), _tail(engine.log)
+        assert engine.alive(), server.tail(engine.log)
         weights = _trained(held, seed=30)
         _publish_and_install(rollout, writers, weights, 30)
         thread.join(120)
@@ -326,7 +299,7 @@ def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Eng
 
 def test_session_where_the_version_needs_it(engine: Engine) -> None:
     """Failure 3: from 0.5.21 SGLang refuses an update outside a weight-update session."""
-    raw = requests.post(
+    raw = engine.client.session.post(
         f"{engine.client.base_url}/update_weights_from_tensor",
         json={"serialized_named_tensors": [EMPTY_PAYLOAD] * TP, "load_format": DUMP, "flush_cache": False},
         timeout=60,
