@@ -21,6 +21,12 @@ from colocate_runtime.colocated.transport import DeviceNotVisible, LocalBucket, 
 
 KIND = "CudaIPC"
 _ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# torch's limits (c10/cuda CUDACachingAllocator, torch/csrc/CudaIPCTypes.h): blocks start at multiples of
+# 512 bytes within their segment, a reference-counter file holds 10000 counters, IPC handles are 64 bytes.
+_BLOCK_ALIGN = 512
+_REF_COUNTERS_PER_FILE = 10_000
+_EVENT_HANDLE_BYTES = 64
+_MAX_OFFSET = 1 << 40  # no GPU has a terabyte segment
 
 
 def gpu_uuid(device: torch.device | int) -> str:
@@ -122,6 +128,52 @@ class CudaIpcExporter:
         torch.cuda.ipc_collect()
 
 
+def check_descriptor(descriptor: Descriptor, nbytes: int) -> None:
+    """Refuse, before anything is mapped, a descriptor whose fields torch would turn into pointer arithmetic
+    out of range (descriptors come from the meta-store, which every container of the job can write):
+    storage offset and size, the reference counter's file name and slot (torch decrements that int64 when
+    the mapping closes), the event handle. What cannot be checked without mapping: that the offset lies
+    inside the exporter's segment (the handle does not say how large it is)."""
+
+    def bad(field: str, why: str) -> TransportError:
+        return TransportError(f"CUDA IPC descriptor refused: {field} {why}")
+
+    def integer(field: str, low: int, high: int) -> int:
+        value = descriptor.get(field)
+        if type(value) is not int or not low <= value < high:
+            raise bad(field, f"= {value!r}, expected an integer in [{low}, {high})")
+        return value
+
+    if descriptor.get("kind") != KIND:
+        raise TransportError(f"descriptor of kind {descriptor.get('kind')!r}, this importer opens {KIND}")
+    uuid = descriptor.get("uuid")
+    if not isinstance(uuid, str) or not uuid.startswith("GPU-") or len(uuid) > 64:
+        raise bad("uuid", f"= {uuid!r}, expected a GPU UUID")
+    handle = descriptor.get("handle")
+    if not isinstance(handle, bytes) or not 0 < len(handle) <= 256:
+        raise bad("handle", "is not a memory handle (bytes)")
+    if integer("storage_nbytes", 1, _MAX_OFFSET) != nbytes:
+        raise bad("storage_nbytes", f"= {descriptor['storage_nbytes']}, the manifest says {nbytes}")
+    if integer("storage_offset", 0, _MAX_OFFSET) % _BLOCK_ALIGN:
+        raise bad("storage_offset", f"= {descriptor['storage_offset']} is not a block start")
+    ref = descriptor.get("ref_counter_handle")
+    if (
+        not isinstance(ref, bytes)
+        or not 1 < len(ref) <= 255
+        or not ref.startswith(b"/")
+        or b"/" in ref[1:]
+        or not ref.isascii()
+        or not ref[1:].replace(b"_", b"").replace(b"-", b"").replace(b".", b"").isalnum()
+    ):
+        raise bad("ref_counter_handle", f"= {ref!r}, expected a shared-memory name such as /torch_1_2_3")
+    integer("ref_counter_offset", 0, _REF_COUNTERS_PER_FILE)
+    event = descriptor.get("event_handle")
+    if event is not None and (not isinstance(event, bytes) or len(event) != _EVENT_HANDLE_BYTES):
+        raise bad("event_handle", f"is not None or {_EVENT_HANDLE_BYTES} bytes")
+    if type(descriptor.get("event_sync_required")) is not bool:
+        raise bad("event_sync_required", "is not a boolean")
+
+
 class CudaIpcImporter:
     kind = KIND
 
@@ -140,15 +192,12 @@ class CudaIpcImporter:
         return self._uuid
 
     def open(self, descriptor: Descriptor, nbytes: int) -> torch.Tensor:
-        if descriptor.get("kind") != KIND:
-            raise TransportError(f"descriptor of kind {descriptor.get('kind')!r}, this importer opens {KIND}")
-        uuid = str(descriptor.get("uuid"))
+        check_descriptor(descriptor, nbytes)
+        uuid = str(descriptor["uuid"])
         index = device_index_of(uuid)
         if index != self.device.index:
             raise TransportError(f"bucket lives on {uuid}, this reader serves {self._uuid}")
-        size = descriptor.get("storage_nbytes")
-        if not isinstance(size, int) or size < nbytes:
-            raise TransportError(f"bucket storage of {size!r} bytes cannot hold {nbytes}")
+        size = int(descriptor["storage_nbytes"])  # type: ignore[arg-type]
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
                 index,

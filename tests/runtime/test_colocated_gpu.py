@@ -172,6 +172,25 @@ def test_expandable_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> Non
         CudaIpcExporter(0)
 
 
+def test_real_descriptors_pass_the_check_and_a_hostile_one_is_refused() -> None:
+    """What torch's `_share_cuda_` really produces passes check_descriptor, for buckets of several sizes
+    (small and large pools, blocks split inside a segment); a hostile copy of one is refused."""
+    from colocate_runtime.colocated.ipc import check_descriptor
+    from colocate_runtime.colocated.transport import TransportError
+
+    exporter = CudaIpcExporter(0)
+    buckets = [exporter.allocate(i, n, "t") for i, n in enumerate((512, 4096, 3 << 20, 64 << 20, 1000))]
+    for b in buckets:
+        exporter.export(b)
+        assert b.descriptor is not None
+        check_descriptor(b.descriptor, int(b.tensor.numel()))
+    print({k: (len(v) if isinstance(v, bytes) else v) for k, v in buckets[1].descriptor.items()})
+    hostile = {**buckets[1].descriptor, "ref_counter_offset": 1 << 20}
+    with pytest.raises(TransportError, match="ref_counter_offset"):
+        check_descriptor(hostile, 4096)
+    exporter.free(buckets)
+
+
 # --- IPC preflight: the trainer here, the SGLang side's responder in another process on the same GPU -----
 
 

@@ -256,3 +256,59 @@ def test_checksums_catch_a_permutation_and_sample_the_same_names() -> None:
     assert checksum.sample_names(names, 3, 5) == checksum.sample_names(list(reversed(names)), 3, 5)
     assert checksum.sample_names(names, 3, 5) != checksum.sample_names(names, 4, 5)
     assert checksum.sample_names(names, 3, 0) == [] and checksum.sample_names([], 3, 5) == []
+
+
+# --- CUDA IPC descriptors from the meta-store are untrusted (checked before anything is mapped) -------------
+
+_GOOD_DESCRIPTOR = {
+    "kind": "CudaIPC",
+    "uuid": "GPU-0b7c1e4a-0000-0000-0000-000000000000",
+    "handle": b"c" + bytes(64),
+    "storage_nbytes": 4096,
+    "storage_offset": 2 << 20,
+    "ref_counter_handle": b"/torch_123_4567_8",
+    "ref_counter_offset": 17,
+    "event_handle": bytes(64),
+    "event_sync_required": True,
+}
+
+
+def test_a_wellformed_cuda_ipc_descriptor_passes() -> None:
+    from colocate_runtime.colocated.ipc import check_descriptor
+
+    check_descriptor(dict(_GOOD_DESCRIPTOR), 4096)
+    check_descriptor({**_GOOD_DESCRIPTOR, "event_handle": None, "event_sync_required": False}, 4096)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "nbytes"),
+    [
+        ("storage_offset", -512, 4096),
+        ("storage_offset", 1 << 50, 4096),
+        ("storage_offset", 100, 4096),  # not a block start
+        ("storage_offset", True, 4096),
+        ("storage_nbytes", 8192, 4096),  # not the bucket the manifest names
+        ("storage_nbytes", 0, 0),
+        ("storage_nbytes", "4096", 4096),
+        ("ref_counter_offset", -1, 4096),
+        ("ref_counter_offset", 10_000, 4096),  # past torch's counter file: an int64 written out of bounds
+        ("ref_counter_handle", b"/../../dev/shm/x", 4096),
+        ("ref_counter_handle", b"torch_1_2_3", 4096),
+        ("ref_counter_handle", b"/torch\x00_1", 4096),
+        ("ref_counter_handle", "/torch_1_2_3", 4096),
+        ("handle", b"", 4096),
+        ("handle", "c" * 65, 4096),
+        ("event_handle", bytes(63), 4096),
+        ("event_sync_required", 1, 4096),
+        ("uuid", "CPU-host-0-0", 4096),
+    ],
+)
+def test_hostile_cuda_ipc_descriptors_are_refused_naming_the_field(
+    field: str, value: object, nbytes: int
+) -> None:
+    from colocate_runtime.colocated.ipc import check_descriptor
+
+    with pytest.raises(TransportError, match=f"descriptor refused: {field}"):
+        check_descriptor({**_GOOD_DESCRIPTOR, field: value}, nbytes)
+    with pytest.raises(TransportError, match="of kind"):
+        check_descriptor({**_GOOD_DESCRIPTOR, "kind": "SharedMemory"}, 4096)
