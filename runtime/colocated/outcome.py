@@ -55,5 +55,10 @@ class StepRejected(StepFailed):
     """The reader answered with an error (its message is included)."""
 
 
+class StaleStep(StepFailed):
+    """A step not newer than the one the reader last applied: refused, so older weights never overwrite newer
+    ones (nothing was opened; the trainer is told at once)."""
+
+
 class CoverageError(StepFailed):
     """Target parameters that neither the local copy nor the cross-GPU exchange filled."""

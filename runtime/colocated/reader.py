@@ -40,6 +40,7 @@ from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
     PeerLost,
+    StaleStep,
     StepAborted,
     StepFailed,
     StepReport,
@@ -269,7 +270,10 @@ class WeightReader:
 
     def _try_step(self, gen: int, step: int) -> StepReport | None:
         if self.last_applied is not None and (gen, step) <= self.last_applied:
-            return None  # a duplicate notification
+            # The same generation's steps only grow (the writer refuses otherwise): an applied step notified
+            # again. Its trainer already holds the ACK; a manifest passed to apply() is refused instead.
+            log.info("step %d of generation %d: already applied, notification skipped", step, gen)
+            return None
         # No automatic collection between the notification and the ACK: with a serving process's heap one
         # costs 100+ ms. The forced close still collects explicitly when it must.
         with _automatic_gc_paused():
@@ -305,9 +309,24 @@ class WeightReader:
     # --- one step -----------------------------------------------------------------------------------------
 
     def apply(self, manifest: Manifest, *, fetch_s: float = 0.0) -> StepReport:
-        """Open, copy, close, verify, ACK. The caller must have claimed the step."""
+        """Open, copy, close, verify, ACK. The caller must have claimed the step. A step not newer than the
+        last applied one is refused (StaleStep) and its trainer told at once."""
+        self._refuse_stale(manifest)
         with self._exchange_round():
             return self._apply(manifest, fetch_s)
+
+    def _refuse_stale(self, manifest: Manifest) -> None:
+        if self.last_applied is None or (manifest.gen, manifest.step) > self.last_applied:
+            return
+        gen, step = self.last_applied
+        err = StaleStep(
+            f"step {manifest.step} of generation {manifest.gen} is not newer than the applied step {step} of "
+            f"generation {gen}: refused, the newer weights stay",
+            step=manifest.step,
+        )
+        log.warning("%s", err)
+        self._fail(manifest, err, CloseReport(released=True, gc_fallback=False, alive=(), seconds=0.0), {})
+        raise err
 
     def _apply(
         self, manifest: Manifest, fetch_s: float, *, abort: tuple[str | None] | None = None

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.manifest import Ack
+from colocate_runtime.colocated.manifest import Ack, decode_manifest
 from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED
 from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
+    StaleStep,
     StepAborted,
     StepFailed,
     StepRejected,
@@ -319,6 +320,35 @@ def test_finalize_runs_on_the_new_weights_before_the_ack_and_its_failure_fails_t
         with pytest.raises(StepRejected, match="post-load failed") as err:
             writer.wait_and_free(pending)  # the ACK says so: the trainer does not count the step as done
         assert err.value.freed and shm_files(cfg) == [] and seen[1] == []
+    finally:
+        reader.close()
+
+
+def test_an_older_step_is_refused_by_apply_and_its_trainer_learns_at_once(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+
+    def claimed(step: int):
+        fetched = store.fetch_step(gen, step, uuid, CLAIM_READER)
+        assert fetched is not None and fetched.winner == CLAIM_READER
+        return decode_manifest(fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=uuid)
+
+    try:
+        older = writer.publish(1, model.weights(1))
+        newer = writer.publish(2, model.weights(2))
+        old_manifest = claimed(1)
+        reader.apply(claimed(2))
+        assert writer.wait_and_free(newer).step == 2
+        t0 = time.monotonic()
+        with pytest.raises(StaleStep, match="not newer than the applied step 2"):
+            reader.apply(old_manifest)  # a caller replaying an old manifest: the newer weights stay
+        assert model.all_equal(model.weights(2), targets) == []
+        with pytest.raises(StepRejected, match="StaleStep") as err:
+            writer.wait_and_free(older)  # told by an error ACK, not by its step timeout
+        assert err.value.freed and time.monotonic() - t0 < 5 and shm_files(cfg) == []
     finally:
         reader.close()
 
