@@ -7,8 +7,8 @@ start its IPC preflight responder (the init call; the plugin may have done it al
 Before training: pause generation (in the mode this version survives a release with) and release every
 memory tag (the trainer needs the GPU). After the trainer published its buckets, `install_weights`: resume the
 weights region, let SGLang's workers run the colocated reader (through `/update_weights_from_tensor` with our
-custom loader, inside a weight-update session where the version needs one, carrying the weight version), and
-then ask the trainer's side whether the step succeeded (`confirm`, usually the writer's `wait_and_free`).
+custom loader, inside a weight-update session where the version needs one), and then ask the trainer's
+side whether the step succeeded (`confirm`, usually the writer's `wait_and_free`).
 Only then set the weight version, resume the KV cache and CUDA graphs and continue generation. A failed step
 leaves the engine paused with the weights resumed, so nothing is served from half-written weights; the caller
 publishes again and calls `install_weights` again. Release and resume go through the client's tag tracking,

@@ -7,6 +7,7 @@ pod that was rescheduled). The binary is `$COLOCATE_REDIS_SERVER`, else `redis-s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -105,8 +106,8 @@ class RedisServer:
         return {"COLOCATE_METASTORE_ADDR": self.addr, "COLOCATE_METASTORE_PASSWORD": self.password}
 
 
-@pytest.fixture
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+@contextlib.contextmanager
+def started_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     binary = redis_binary()
     if binary is None:
         pytest.skip("redis-server not found (install Debian's redis-server or set COLOCATE_REDIS_SERVER)")
@@ -116,3 +117,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with started_redis(tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for a module's tests (those that share a slow-to-start peer, such as real SGLang)."""
+    with started_redis(tmp_path_factory) as server:
+        yield server

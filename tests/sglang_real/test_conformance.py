@@ -34,7 +34,7 @@ from colocate_runtime.sglang import versions
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient, SGLangError
 from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
 from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout, StepNotInstalled
-from tests.runtime.redis_fixture import RedisServer, free_port, redis_binary
+from tests.runtime.redis_fixture import RedisServer, free_port, module_redis_server  # noqa: F401
 from tests.sglang_real import server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -70,27 +70,18 @@ class Engine:
         return [torch.load(self.probe_dir / f"params-rank{r}.pt") for r in range(TP)]
 
 
-@pytest.fixture(scope="module")
-def redis_for_sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    binary = redis_binary()
-    if binary is None:
-        pytest.fail("redis-server is not installed (make setup installs it)")
-    r = RedisServer(binary, tmp_path_factory.mktemp("redis"))
-    r.start()
-    yield r
-    r.stop()
-
-
 @pytest.fixture(scope="module", params=versions.PINNED)
 def engine(
-    request: pytest.FixtureRequest, redis_for_sglang: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    module_redis_server: RedisServer,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Engine]:
     version = request.param
     work = tmp_path_factory.mktemp(f"sglang-{version}")
     colocate = {
         "COLOCATE_JOB_NAME": f"real-{version.replace('.', '-')}",
         "COLOCATE_NAMESPACE": "conformance",
-        **redis_for_sglang.env(),
+        **module_redis_server.env(),
         "COLOCATE_TRANSPORT": "SharedMemory",
         "COLOCATE_SHM_DIR": str(work / "shm"),
         "COLOCATE_STEP_TIMEOUT_SECONDS": str(ENGINE_STEP_TIMEOUT_S),

@@ -29,7 +29,7 @@ from colocate_runtime.sglang import versions
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
 from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
 from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout
-from tests.runtime.redis_fixture import RedisServer, free_port, redis_binary
+from tests.runtime.redis_fixture import RedisServer, free_port, module_redis_server  # noqa: F401
 from tests.sglang_real import server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -75,15 +75,14 @@ class Engine:
 
 
 @pytest.fixture(scope="module", params=versions.PINNED)
-def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+def engine(
+    request: pytest.FixtureRequest,
+    module_redis_server: RedisServer,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Engine]:
     version = request.param
-    binary = redis_binary()
-    if binary is None:
-        pytest.fail("redis-server is not installed (make setup installs it)")
     work = tmp_path_factory.mktemp(f"mla-{version}")
-    (work / "redis").mkdir()
-    redis = RedisServer(binary, work / "redis")
-    redis.start()
+    redis = module_redis_server
     colocate = {
         "COLOCATE_JOB_NAME": f"mla-{version.replace('.', '-')}",
         "COLOCATE_NAMESPACE": "conformance",
@@ -115,7 +114,6 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield handle
     finally:
         server.stop(proc)
-        redis.stop()
 
 
 def _random(held: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
