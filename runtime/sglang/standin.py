@@ -14,7 +14,8 @@ per-version table (versions.py) and fails where SGLang fails:
   the version and arguments, `/health` runs a generation and so fails while paused, `/model_info` does not.
 
 What it lacks: SGLang's processes (one scheduler per TP rank), its scheduler, memory saver, CUDA graphs.
-Fault injection (`faults`) answers 503 to the first N calls of a path, to exercise the adapter's retries.
+Fault injection: `faults` answers 503 to the first N calls of a path (the adapter's retries); `hangs` holds
+every call of a path that long before answering (a hung engine: the adapter's timeouts).
 
 Run: `python -m colocate_runtime.sglang.standin --port 30000 --custom-weight-loader PATH --sglang-version V`.
 """
@@ -29,6 +30,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -93,6 +95,7 @@ class StandinState:
         self.model = model
         self.loaders = loaders
         self.faults = dict(faults or {})
+        self.hangs: dict[str, float] = {}
         self.engine: EngineTraits = traits(version)
         self.on_crash = on_crash
         self.api_key = api_key
@@ -111,6 +114,11 @@ class StandinState:
         # As SGLang's --api-key: a bearer token on every path but the probes' (/health*, /ready*, /metrics).
         if self.api_key and authorization != f"Bearer {self.api_key}" and not _unauthenticated(path):
             return 401, {"error": "Unauthorized"}
+        if path in self.hangs:
+            with self.lock:
+                self.calls.append(path)
+            time.sleep(self.hangs[path])
+            return 503, {"success": False, "message": "stand-in: hung"}
         if path == "/generate":  # outside the lock: a release while it runs is what SGLang asserts against
             return self.generate(body)
         with self.lock:
@@ -335,9 +343,14 @@ def _handler(state: StandinState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:  # a caller gave up (its timeout)
+        log.debug("stand-in: connection from %s ended early", client_address, exc_info=True)
+
+
 def serve(state: StandinState, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
     """Start serving on a daemon thread; `server.server_address` has the port, `server.shutdown()` stops."""
-    server = ThreadingHTTPServer((host, port), _handler(state))
+    server = _Server((host, port), _handler(state))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="sglang-standin", daemon=True).start()
     return server

@@ -304,3 +304,19 @@ _ENV = {
     "COLOCATE_METASTORE_ADDR": "127.0.0.1:6379",
     "COLOCATE_METASTORE_PASSWORD": "p",
 }
+
+
+def test_a_hung_engine_is_a_bounded_clear_error(standin) -> None:
+    state, client = standin
+    quick = SGLangClient(client.base_url, HttpPolicy(timeout_s=0.5, retries=2, backoff_s=0.05))
+    quick.detect()
+    state.hangs["/update_weight_version"] = 3.0
+    t0 = time.monotonic()
+    with pytest.raises(SGLangError, match="/update_weight_version: ReadTimeout"):
+        quick.update_weight_version("v9")  # effectful: not repeated, it may have taken effect
+    assert time.monotonic() - t0 < 2 and state.calls.count("/update_weight_version") == 1
+    state.hangs["/model_info"] = 3.0
+    t0 = time.monotonic()
+    with pytest.raises(SGLangError, match="/model_info: ReadTimeout"):
+        quick.get_weight_version()  # a read: retried, within its bounded budget
+    assert time.monotonic() - t0 < 3 and state.calls.count("/model_info") == 3
