@@ -184,6 +184,21 @@ def _other_model_modules(pythonpath: str, keep=("qwen3",)) -> list[str]:
     return []
 
 
+def colocate_env(job: str, redis_env: dict[str, str], work: Path, **extra: str) -> dict[str, str]:
+    """The COLOCATE_* environment trainer and SGLang share in these tests: shared memory under work/shm (for
+    CUDA IPC), sampled checksums, the given Redis; `extra` adds or overrides variables."""
+    (work / "shm").mkdir(exist_ok=True)
+    return {
+        "COLOCATE_JOB_NAME": job,
+        "COLOCATE_NAMESPACE": "conformance",
+        **redis_env,
+        "COLOCATE_TRANSPORT": "SharedMemory",
+        "COLOCATE_SHM_DIR": str(work / "shm"),
+        "COLOCATE_VERIFY": "SampledChecksum",
+        **extra,
+    }
+
+
 def pythonpath(version: str) -> str:
     """Builds (once, cached) the import path in which SGLang `version` runs here (scripts/sglang-env.sh)."""
     out = subprocess.run(

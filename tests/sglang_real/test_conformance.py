@@ -11,6 +11,7 @@ CUDA IPC, which needs a GPU. Redis is a real redis-server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -78,19 +79,15 @@ def engine(
 ) -> Iterator[Engine]:
     version = request.param
     work = tmp_path_factory.mktemp(f"sglang-{version}")
-    colocate = {
-        "COLOCATE_JOB_NAME": f"real-{version.replace('.', '-')}",
-        "COLOCATE_NAMESPACE": "conformance",
-        **module_redis_server.env(),
-        "COLOCATE_TRANSPORT": "SharedMemory",
-        "COLOCATE_SHM_DIR": str(work / "shm"),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": str(ENGINE_STEP_TIMEOUT_S),
-        "COLOCATE_HEARTBEAT_TTL_SECONDS": "3",
-        "COLOCATE_IPC_PREFLIGHT": "Wait",
-        "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS": "2",
-        "COLOCATE_VERIFY": "SampledChecksum",
-    }
-    (work / "shm").mkdir()
+    colocate = server.colocate_env(
+        f"real-{version.replace('.', '-')}",
+        module_redis_server.env(),
+        work,
+        COLOCATE_STEP_TIMEOUT_SECONDS=str(ENGINE_STEP_TIMEOUT_S),
+        COLOCATE_HEARTBEAT_TTL_SECONDS="3",
+        COLOCATE_IPC_PREFLIGHT="Wait",
+        COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS="2",
+    )
     probe_dir = work / "probe"
     probe_dir.mkdir()
     port = free_port()
@@ -116,8 +113,15 @@ def engine(
         server.stop(proc)
 
 
-def _writers(engine: Engine, **overrides: str) -> list[WeightWriter]:
-    return [new_writer(engine.cfg(**overrides), rank=r) for r in range(TP)]
+@contextlib.contextmanager
+def _writers(engine: Engine, **overrides: str) -> Iterator[list[WeightWriter]]:
+    """One started writer per TP rank (the trainer side of each GPU), all closed on the way out."""
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for r in range(TP):
+            writers.append(new_writer(engine.cfg(**overrides), rank=r))
+            stack.callback(writers[-1].close)
+        yield writers
 
 
 def _trained(held: list[dict[str, torch.Tensor]], seed: int) -> list[dict[str, torch.Tensor]]:
@@ -170,18 +174,14 @@ def test_start_answers_the_preflight_before_any_weight_moves(engine: Engine) -> 
     preflight and `Wait` waited forever. Now the plugin (>= 0.5.11) or the init call starts every worker."""
     quick = {"COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS": "4"}
     if engine.client.engine.plugins:
-        writers = _writers(engine, **quick)  # the plugin started the workers: no call to SGLang yet
+        with _writers(engine, **quick) as writers:  # the plugin started the workers: no call to SGLang yet
+            assert all(w.preflight_passed for w in writers)
     else:
-        with pytest.raises(PreflightFailed, match=ev.PEER_TIMEOUT):
-            _writers(engine, **quick)  # bounded, and its error says what to do
-        writers = []
-    try:
-        ColocatedRollout(engine.client).start()
-        writers = writers or _writers(engine, **quick)
+        with pytest.raises(PreflightFailed, match=ev.PEER_TIMEOUT), _writers(engine, **quick):
+            pass  # bounded, and its error says what to do
+    ColocatedRollout(engine.client).start()
+    with _writers(engine, **quick) as writers:
         assert all(w.preflight_passed for w in writers)
-    finally:
-        for w in writers:
-            w.close()
     assert engine.alive()
 
 
@@ -191,8 +191,7 @@ def test_steps_move_the_trainers_weights_into_sglang_bitwise(engine: Engine) -> 
     rollout.start()
     assert rollout.tp_size == TP
     held = engine.params()
-    writers = _writers(engine)
-    try:
+    with _writers(engine) as writers:
         for step in (1, 2, 3):
             rollout.before_training()
             assert client.paused and client.released == {"kv_cache", "weights", "cuda_graph"}
@@ -212,9 +211,6 @@ def test_steps_move_the_trainers_weights_into_sglang_bitwise(engine: Engine) -> 
         # SGLang's Qwen3 has no `get_weights_by_name` (Llama and Qwen2 have): refused, and said so.
         with pytest.raises(SGLangError, match="Get parameter by name failed"):
             client.get_weights_by_name("model.norm.weight", truncate_size=4)
-    finally:
-        for w in writers:
-            w.close()
     assert not list(Path(engine.env["COLOCATE_SHM_DIR"]).iterdir())  # every bucket freed
 
 
@@ -226,8 +222,7 @@ def test_a_step_that_times_out_leaves_sglang_serving_and_the_next_step_installs(
     rollout.start()
     held = engine.params()
     version_before = client.get_weight_version()
-    writers = _writers(engine, COLOCATE_STEP_TIMEOUT_SECONDS="3")
-    try:
+    with _writers(engine, COLOCATE_STEP_TIMEOUT_SECONDS="3") as writers:
         rollout.before_training()
         late = _trained(held, seed=20)
         t0 = time.monotonic()
@@ -245,9 +240,6 @@ def test_a_step_that_times_out_leaves_sglang_serving_and_the_next_step_installs(
         _publish_and_install(rollout, writers, weights, 21)
         assert not client.paused and client.get_weight_version() == "v21"
         _assert_bitwise(engine.params(), weights)
-    finally:
-        for w in writers:
-            w.close()
     assert engine.alive()
 
 
@@ -271,8 +263,7 @@ def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Eng
     while "Decode batch" not in engine.log.read_text(errors="replace")[seen:]:  # one every 40 tokens
         assert time.monotonic() < deadline, "the generation never started"
         time.sleep(0.1)
-    writers = _writers(engine)
-    try:
+    with _writers(engine) as writers:
         rollout.before_training()  # pause (abort before 0.5.21, retract after) and release everything
         assert engine.alive(), server.tail(engine.log)
         weights = _trained(held, seed=30)
@@ -282,9 +273,6 @@ def test_training_starts_while_a_generation_runs_and_sglang_survives(engine: Eng
         finish = answer[0].json()["meta_info"]["finish_reason"]["type"]
         assert finish == ("length" if client.engine.pause_mode == "retract" else "abort")
         _assert_bitwise(engine.params(), weights)
-    finally:
-        for w in writers:
-            w.close()
     assert engine.alive()
 
 

@@ -82,17 +82,12 @@ def engine(
 ) -> Iterator[Engine]:
     version = request.param
     work = tmp_path_factory.mktemp(f"mla-{version}")
-    redis = module_redis_server
-    colocate = {
-        "COLOCATE_JOB_NAME": f"mla-{version.replace('.', '-')}",
-        "COLOCATE_NAMESPACE": "conformance",
-        **redis.env(),
-        "COLOCATE_TRANSPORT": "SharedMemory",
-        "COLOCATE_SHM_DIR": str(work / "shm"),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "30",
-        "COLOCATE_VERIFY": "SampledChecksum",
-    }
-    (work / "shm").mkdir()
+    colocate = server.colocate_env(
+        f"mla-{version.replace('.', '-')}",
+        module_redis_server.env(),
+        work,
+        COLOCATE_STEP_TIMEOUT_SECONDS="30",
+    )
     (probe_dir := work / "probe").mkdir()
     base = {**os.environ, **colocate, "PYTHONPATH": server.pythonpath(version)}
     env = server.environment(1, base | {"SGLANG_REAL_PROBE_DIR": str(probe_dir)}, arch="deepseek_v2")
