@@ -209,12 +209,18 @@ class SGLangClient:
         if "weights" in self.released:
             raise SGLangError("weights memory is released: resume the 'weights' tag before updating weights")
         with self.weight_update_session():
-            body = self._update(
-                serialized_per_rank,
-                load_format=load_format,
-                weight_version=weight_version,
-                flush_cache=flush_cache,
-                abort_all_requests=abort_all_requests,
+            body = self._call(
+                "POST",
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": list(serialized_per_rank),
+                    "load_format": load_format,
+                    "weight_version": weight_version,
+                    "flush_cache": flush_cache,
+                    "abort_all_requests": abort_all_requests,
+                },
+                effectful=True,
+                timeout_s=self.policy.update_timeout_s,
             )
         return str(body.get("message", ""))
 
@@ -229,29 +235,6 @@ class SGLangClient:
             yield
         finally:
             self._call("POST", "/end_weight_update", {}, effectful=True)
-
-    def _update(
-        self,
-        serialized_per_rank: Sequence[str],
-        *,
-        load_format: str | None,
-        weight_version: str | None,
-        flush_cache: bool,
-        abort_all_requests: bool,
-    ) -> dict[str, Any]:
-        return self._call(
-            "POST",
-            "/update_weights_from_tensor",
-            {
-                "serialized_named_tensors": list(serialized_per_rank),
-                "load_format": load_format,
-                "weight_version": weight_version,
-                "flush_cache": flush_cache,
-                "abort_all_requests": abort_all_requests,
-            },
-            effectful=True,
-            timeout_s=self.policy.update_timeout_s,
-        )
 
     def get_weight_version(self) -> str | None:
         body = self._call("GET", "/model_info", None, effectful=False)
