@@ -40,6 +40,10 @@ Before its first step each trainer process runs the IPC preflight on its GPU (pr
 attempt starts and one with `result=ok` (`reason=PreflightPassed`) or `result=error` and a failure `reason`
 when it ends; the reader side writes one with its own verdict. A pass holds for that incarnation only.
 
+Readers treat entries as untrusted (any container of the job can write them): `decode` refuses an entry with
+more than 32 fields, a key or value over 1024 bytes, bytes that are not UTF-8, `gpu` or `weight_version` over
+128 characters, counts outside [0, 2**62) or non-finite numbers, always with an `EventError`.
+
 For status, the operator needs only the trainer's `finished`, `failed`, `final` and `preflight` records: a
 step is complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that
 step.
@@ -48,6 +52,7 @@ step.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,6 +60,12 @@ from typing import Any, Protocol
 SCHEMA_VERSION = 1
 STREAM_MAXLEN = 10_000
 ERROR_MAX_CHARS = 512
+# Bounds a decoder holds every entry to: the stream is written by pods, so the operator reads it as untrusted.
+FIELD_MAX_BYTES = 1024  # any one key or value (the writer cuts `error` to ERROR_MAX_CHARS)
+NAME_MAX_CHARS = 128  # gpu, weight_version: they reach status and condition messages
+ENTRY_MAX_FIELDS = 32
+PHASE_SECONDS_MAX = 16
+NUMBER_MAX = 2**62  # gen, step, bytes, handles, replica, rank: non-negative and below this
 
 PHASES = (
     "published",
@@ -159,37 +170,49 @@ def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
 
 
 def decode(fields: dict[Any, Any]) -> StepEvent:
-    """The event of one stream entry (keys and values may be bytes, as redis-py returns them)."""
-    f = {_text(k): _text(v) for k, v in fields.items()}
+    """The event of one stream entry (keys and values may be bytes, as redis-py returns them).
+
+    Anything an entry can hold (bad bytes, oversized fields, huge or non-finite numbers) raises EventError
+    with a bounded message, never another exception."""
     try:
-        if int(f.get("v", "0")) != SCHEMA_VERSION:
-            raise EventError(f"event schema {f.get('v')!r}, this reader knows {SCHEMA_VERSION}")
+        if len(fields) > ENTRY_MAX_FIELDS:
+            raise EventError(f"entry has {len(fields)} fields, at most {ENTRY_MAX_FIELDS}")
+        f: dict[str, str] = {}
+        for k, v in fields.items():
+            if len(k) > FIELD_MAX_BYTES or len(v) > FIELD_MAX_BYTES:
+                raise EventError(f"field {_short(k)!r} is longer than {FIELD_MAX_BYTES} bytes")
+            f[_text(k)] = _text(v)
+        if f.get("v") != str(SCHEMA_VERSION):
+            raise EventError(f"event schema {_short(f.get('v'))!r}, this reader knows {SCHEMA_VERSION}")
+        for name in ("gpu", "weight_version"):
+            if len(f.get(name, "")) > NAME_MAX_CHARS:
+                raise EventError(f"{name} is longer than {NAME_MAX_CHARS} characters")
         phase_seconds = json.loads(f.get("phase_seconds") or "{}")
-        if not isinstance(phase_seconds, dict):
-            raise EventError("phase_seconds is not a JSON object")
+        if not isinstance(phase_seconds, dict) or len(phase_seconds) > PHASE_SECONDS_MAX:
+            raise EventError(f"phase_seconds is not a JSON object of at most {PHASE_SECONDS_MAX} phases")
         return StepEvent(
             role=f["role"],
-            gen=int(f["gen"]),
-            step=int(f["step"]),
+            gen=_count(f["gen"]),
+            step=_count(f["step"]),
             phase=f["phase"],
             result=f.get("result", ""),
-            seconds=float(f.get("seconds") or 0),
-            phase_seconds={str(k): float(v) for k, v in phase_seconds.items()},
-            bytes=int(f.get("bytes") or 0),
-            handles=int(f.get("handles") or 0),
-            replica=int(f.get("replica") or 0),
-            rank=int(f.get("rank") or 0),
+            seconds=_finite(f.get("seconds") or "0"),
+            phase_seconds={str(k)[:32]: _finite(v) for k, v in phase_seconds.items()},
+            bytes=_count(f.get("bytes") or "0"),
+            handles=_count(f.get("handles") or "0"),
+            replica=_count(f.get("replica") or "0"),
+            rank=_count(f.get("rank") or "0"),
             gpu=f.get("gpu", ""),
             weight_version=f.get("weight_version", ""),
             final=f.get("final") == "true",
-            error=f.get("error", ""),
-            ts=float(f.get("ts") or 0),
+            error=f.get("error", "")[:ERROR_MAX_CHARS],
+            ts=_finite(f.get("ts") or "0"),
             reason=f.get("reason", ""),
         )
-    except (KeyError, ValueError, TypeError) as err:
-        if isinstance(err, EventError):
-            raise
-        raise EventError(f"malformed step event {f!r}: {err}") from None
+    except EventError:
+        raise
+    except (KeyError, ValueError, TypeError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise EventError(f"malformed step event: {type(err).__name__}: {_short(err)}") from None
 
 
 def decode_entries(entries: list[tuple[Any, dict[Any, Any]]]) -> list[tuple[str, StepEvent]]:
@@ -208,3 +231,23 @@ def xadd(client: _XAdd, key: str, event: StepEvent, *, maxlen: int = STREAM_MAXL
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """Text of an untrusted value cut for an error message (bad bytes shown escaped)."""
+    text = value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < NUMBER_MAX:
+        raise EventError(f"{_short(text)} is not a count in [0, 2**62)")
+    return value
+
+
+def _finite(value: Any) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise EventError(f"{_short(value)} is not a finite number")
+    return number
