@@ -9,6 +9,11 @@ whole job needs the trainer's `final` record, never exit codes alone.
 The trainers' `preflight` events (the runtime's IPC preflight, one per GPU and incarnation) make the IPCReady
 condition: True once every GPU of the job passed in its newest incarnation, False with a failing GPU's
 reason, else False/PreflightPending. Jobs whose runtime runs no preflight get no IPCReady condition.
+
+Any container of the job can write the stream, so the tracker's state is bounded whatever arrives: GPUs
+beyond `gpu_limit` (the least recently heard one goes first), half-finished steps beyond
+PENDING_STEPS_MAX (the lowest goes first) and remembered failed steps beyond FAILED_STEPS_MAX; `dropped`
+counts what was let go. Status messages are cut to what the CRD admits.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ PHASE_NAMES = {
     "final": "Done",
     "preflight": "Preflight",
 }
+
+
+PENDING_STEPS_MAX = 64  # steps some but not all GPUs finished (a real job has one or two)
+FAILED_STEPS_MAX = 256  # failed steps remembered so several GPUs reporting one make one record
+MESSAGE_MAX_CHARS = 1024  # status.recentSteps[].message maxLength in the CRD
+
+
+def gpu_limit(expected_gpus: int) -> int:
+    """GPUs tracked at once: the job's own plus room for rescheduled pods' new GPUs."""
+    return 2 * expected_gpus + 16
 
 
 def iso(ts: float) -> str:
@@ -96,6 +111,7 @@ class StepTracker:
     _failed_steps: set[int] = field(default_factory=set)
     _preflight: dict[str, PreflightOutcome] = field(default_factory=dict)  # GPU -> newest preflight news
     _ipc_key: tuple[bool, str] | None = None  # IPCReady (status, reason) after the last preflight event
+    dropped: int = 0  # GPUs and steps let go to keep the state bounded (the follower reports them)
 
     def observe(self, event: StepEvent) -> bool:
         gpu = event.gpu or f"rank-{event.rank}"
@@ -105,7 +121,10 @@ class StepTracker:
         if event.gen > newest:  # that GPU's trainer restarted: its unfinished steps will not finish
             for gpus in self._pending.values():
                 gpus.pop(gpu, None)
+        self._gens.pop(gpu, None)  # re-inserted last: the dict's order is least recently heard first
         self._gens[gpu] = event.gen
+        if len(self._gens) > gpu_limit(self.expected_gpus):
+            self._forget_gpu(next(iter(self._gens)))
         self.current_phase = PHASE_NAMES.get(event.phase, event.phase)
         if event.role != "trainer":
             return False
@@ -128,6 +147,9 @@ class StepTracker:
             return False
         gpus = self._pending.setdefault(event.step, {})
         gpus[event.gpu or f"rank-{event.rank}"] = event
+        if len(self._pending) > PENDING_STEPS_MAX:
+            del self._pending[min(self._pending)]
+            self.dropped += 1
         if len(gpus) < self.expected_gpus:
             return False
         events = list(gpus.values())
@@ -155,12 +177,33 @@ class StepTracker:
         if event.step in self._failed_steps:
             return False  # one record per failed step, however many GPUs report it
         self._failed_steps.add(event.step)
+        if len(self._failed_steps) > FAILED_STEPS_MAX:
+            self._failed_steps.discard(min(self._failed_steps))
         self._pending.pop(event.step, None)
         message = f"{event.result or 'error'} on GPU {event.gpu or event.rank}: {event.error}".strip(": ")
+        message = message[:MESSAGE_MAX_CHARS]
         record = StepRecord(event.step, "Failed", event.seconds, event.bytes, event.ts, message=message)
         self.last_failure = record
         self._remember(record)
         return True
+
+    def _forget_gpu(self, gpu: str) -> None:
+        del self._gens[gpu]
+        self._preflight.pop(gpu, None)
+        for gpus in self._pending.values():
+            gpus.pop(gpu, None)
+        self.dropped += 1
+
+    def state_size(self) -> dict[str, int]:
+        """How much the tracker holds (what the bounds above cap)."""
+        return {
+            "gpus": len(self._gens),
+            "preflight_gpus": len(self._preflight),
+            "pending_steps": len(self._pending),
+            "pending_entries": sum(len(g) for g in self._pending.values()),
+            "failed_steps": len(self._failed_steps),
+            "recent": len(self.recent),
+        }
 
     def _preflight_event(self, gpu: str, event: StepEvent) -> bool:
         """True when IPCReady's status or reason changed (a status write is due)."""

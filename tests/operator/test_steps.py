@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from colocate_operator import steps
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
 from colocate_operator.steps import StepTracker, step_conditions
 from colocate_runtime.colocated import events as ev
@@ -228,3 +229,35 @@ def test_a_follower_blocks_until_the_next_decision_it_must_make_without_new_entr
     # A refused write is retried when its backoff ends, never in a tight loop.
     writes.dirty, writes.retry_at = True, 1004.0
     assert block_seconds(tracker, writes, 3, 1005.0) > 0
+
+
+def test_state_stays_bounded_under_a_flood_and_the_next_real_step_completes() -> None:
+    """Any container of the job writes the stream: 20k distinct GPUs, steps and failures fill nothing."""
+    tracker = StepTracker(expected_gpus=2, history_limit=3)
+    assert tracker.observe(finished(1, "GPU-a")) is False  # a real step half done before the flood
+    for i in range(20_000):
+        tracker.observe(finished(1_000_000 + i, f"GPU-evil-{i}"))
+        tracker.observe(
+            StepEvent(role="trainer", gen=1, step=2_000_000 + i, phase="failed", result="error", gpu="GPU-x")
+        )
+    size = tracker.state_size()
+    assert size["gpus"] <= steps.gpu_limit(2) and size["pending_steps"] <= steps.PENDING_STEPS_MAX
+    assert (
+        size["pending_entries"] <= steps.PENDING_STEPS_MAX and size["failed_steps"] <= steps.FAILED_STEPS_MAX
+    )
+    assert size["recent"] == 3 and tracker.dropped > 20_000
+    # The real GPUs report the next step: it completes, whatever the flood left.
+    assert tracker.observe(finished(2_000_000, "GPU-a")) is False
+    assert tracker.observe(finished(2_000_000, "GPU-b")) is True
+    assert tracker.last_completed_step == 2_000_000
+
+
+def test_a_long_failure_message_is_cut_to_what_status_admits() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    event = StepEvent(
+        role="trainer", gen=1, step=1, phase="failed", result="error", gpu="G" * 128, error="e" * 5000
+    )
+    tracker.observe(event)
+    record = tracker.recent_steps_status()[-1]
+    assert len(record["message"]) <= steps.MESSAGE_MAX_CHARS
+    assert all(len(c.message) <= 4096 for c in step_conditions(tracker, False, 60))
