@@ -37,11 +37,18 @@ from colocate_runtime.convert.registry import (
     register,
 )
 from colocate_runtime.convert.spec import MLASpec, ModelSpec, MoESpec
-from colocate_runtime.convert.trainer import ChunkPlan, TrainerRankPlan, convert_trainer_rank, trainer_plan
+from colocate_runtime.convert.trainer import (
+    BoundPiece,
+    ChunkPlan,
+    TrainerRankPlan,
+    convert_trainer_rank,
+    trainer_plan,
+)
 
 __all__ = [
     "Architecture",
     "Block",
+    "BoundPiece",
     "CanonicalTensor",
     "ChunkPlan",
     "ConvertError",

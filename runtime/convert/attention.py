@@ -16,7 +16,7 @@ from colocate_runtime.convert.direct import Direct
 from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.layout import RankGroups, Role
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, Piece, SGLangParam, stacked_rows
-from colocate_runtime.convert.qkv import QKV_PARTS, query_group_part
+from colocate_runtime.convert.qkv import QKV_PARTS, query_group_part, query_group_view
 from colocate_runtime.convert.spec import ModelSpec
 
 
@@ -62,14 +62,14 @@ class GroupedQKV:
                 box = heads_box(
                     tensor.name, self._heads(part), spec.head_dim, self._trailing(suffix), group, False
                 )
-                take = partial(
-                    query_group_part,
+                where = dict(
                     groups=local_groups,
                     queries_per_group=spec.queries_per_group,
                     head_dim=spec.head_dim,
                     part=part,
                 )
-                pieces.append(Piece(tensor.shard(box), take))
+                view = partial(query_group_view, **where) if local_groups > 1 else None
+                pieces.append(Piece(tensor.shard(box), partial(query_group_part, **where), view))
             name = f"{at}{self.megatron_stem}.{suffix}"
             params.append(MegatronParam((name,), (rows, *self._trailing(suffix)), tuple(pieces)))
         return params

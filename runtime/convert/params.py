@@ -40,6 +40,9 @@ class CanonicalTensor:
 class Piece:
     shard: TensorShard
     extract: Extract = whole  # local tensor -> data of shape shard.box.lengths
+    # Where `extract` must copy (interleaved q/k/v groups): a view of the local tensor whose row-major order
+    # is the data's, so the one-pass update copies from the trainer's storage directly. None: no such view.
+    view: Extract | None = None
 
 
 @dataclass(frozen=True, slots=True)

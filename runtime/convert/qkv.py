@@ -34,8 +34,17 @@ def query_group_part(
             tuple(fused.shape),
             f"{groups} query group(s) of {queries_per_group} q + 1 k + 1 v heads of {head_dim} rows",
         )
+    return query_group_view(fused, groups, queries_per_group, head_dim, part).reshape(-1, *fused.shape[1:])
+
+
+def query_group_view(
+    fused: torch.Tensor, groups: int, queries_per_group: int, head_dim: int, part: str
+) -> torch.Tensor:
+    """`query_group_part` without the copy: a [groups, rows per group, *trailing] view of `fused` whose
+    row-major order is that part's rows (the one-pass update copies from it directly)."""
+    size = (queries_per_group + 2) * head_dim
     rows = group_rows(queries_per_group, head_dim)[QKV_PARTS.index(part)]
-    return fused.reshape(groups, size, *fused.shape[1:])[:, rows].reshape(-1, *fused.shape[1:])
+    return fused.view(groups, size, *fused.shape[1:])[:, rows]
 
 
 def split_query_groups(

@@ -19,7 +19,7 @@ from colocate_runtime.convert.errors import (
     UnexpectedTensorError,
 )
 from colocate_runtime.convert.layout import MegatronLayout, MegatronRank
-from colocate_runtime.convert.params import MegatronParam
+from colocate_runtime.convert.params import MegatronParam, Piece
 from colocate_runtime.convert.registry import stage_blocks
 from colocate_runtime.convert.spec import ModelSpec
 from colocate_runtime.shards import DTYPE_BYTES, RankShards, TensorShard
@@ -56,18 +56,50 @@ class TrainerRankPlan:
         """Canonical pieces of this rank. `tensors` holds one name -> tensor mapping per model chunk (a bare
         mapping when there is no virtual pipeline), e.g. each chunk's `state_dict()` (buffers included, since
         `expert_bias` is a buffer). Data are views where the layout allows, cast to each shard's dtype."""
-        chunks = [tensors] if isinstance(tensors, Mapping) else list(tensors)
-        if len(chunks) != len(self.chunks):
-            raise ConvertError(
-                f"trainer rank {self.rank}: got {len(chunks)} model chunk(s), layout has {len(self.chunks)}"
-            )
+        chunks = self._chunks_of(tensors)
         out: list[ConvertedPiece] = []
         with torch.no_grad():
             for plan, named in zip(self.chunks, chunks, strict=True):
                 out += self._convert_chunk(plan, named)
         return out
 
+    def bind(
+        self, tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[BoundPiece]:
+        """Each canonical piece of this rank tied to the local tensor it comes from (checked like `convert`),
+        without extracting anything: the one-pass update reads the pieces where they lie, once per layout."""
+        chunks = self._chunks_of(tensors)
+        return [
+            BoundPiece(piece, tensor)
+            for plan, named in zip(self.chunks, chunks, strict=True)
+            for tensor, param in self._choose(plan, named)
+            for piece in param.pieces
+        ]
+
+    def _chunks_of(
+        self, tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[Mapping[str, torch.Tensor]]:
+        chunks = [tensors] if isinstance(tensors, Mapping) else list(tensors)
+        if len(chunks) != len(self.chunks):
+            raise ConvertError(
+                f"trainer rank {self.rank}: got {len(chunks)} model chunk(s), layout has {len(self.chunks)}"
+            )
+        return chunks
+
     def _convert_chunk(self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]) -> list[ConvertedPiece]:
+        # The hot loop of a weight sync (tens of thousands of tensors): no work beyond the extract and a cast.
+        out = []
+        for tensor, param in self._choose(plan, tensors):
+            for piece in param.pieces:
+                data = piece.extract(tensor)
+                dtype = TORCH_DTYPES[piece.shard.dtype]
+                out.append((piece.shard, data if data.dtype == dtype else data.to(dtype)))
+        return out
+
+    def _choose(
+        self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, MegatronParam]]:
+        """The local tensor of each parameter; a missing, unknown or misshapen one is an error."""
         where = f"trainer rank {self.rank} chunk {plan.vp_stage}"
         named = {strip_wrappers(name): t for name, t in tensors.items() if not name.endswith("_extra_state")}
         chosen: list[tuple[torch.Tensor, MegatronParam]] = []
@@ -91,14 +123,36 @@ class TrainerRankPlan:
             raise MissingTensorError(where, missing)
         if len(used) != len(named):
             raise UnexpectedTensorError(where, sorted(set(named) - used))
-        # The hot loop of a weight sync (tens of thousands of tensors): no work beyond the extract and a cast.
-        out = []
-        for tensor, param in chosen:
-            for piece in param.pieces:
-                data = piece.extract(tensor)
-                dtype = TORCH_DTYPES[piece.shard.dtype]
-                out.append((piece.shard, data if data.dtype == dtype else data.to(dtype)))
-        return out
+        return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class BoundPiece:
+    """One canonical piece of a trainer rank and the local tensor it is cut from."""
+
+    piece: Piece
+    tensor: torch.Tensor
+
+    @property
+    def shard(self) -> TensorShard:
+        return self.piece.shard
+
+    def data(self) -> torch.Tensor:
+        """The piece's data (a view where the layout allows, else a copy), in the canonical dtype."""
+        data = self.piece.extract(self.tensor)
+        dtype = TORCH_DTYPES[self.piece.shard.dtype]
+        return data if data.dtype == dtype else data.to(dtype)
+
+    def view(self) -> torch.Tensor | None:
+        """A view of the local tensor whose row-major order is the piece's data, or None where the data
+        cannot be read in place (a dtype cast, or a layout only a copy produces)."""
+        if self.tensor.dtype != TORCH_DTYPES[self.piece.shard.dtype]:
+            return None
+        if self.piece.view is not None:
+            return self.piece.view(self.tensor)
+        data = self.piece.extract(self.tensor)
+        same = data.untyped_storage().data_ptr() == self.tensor.untyped_storage().data_ptr()
+        return data if same else None
 
 
 def strip_wrappers(name: str) -> str:
