@@ -154,6 +154,7 @@ def decide(
         *metastore.managed_children(job, config, password),
         gpus.claim_template(job),
         pods.headless_service(job),
+        pods.network_policy(job),
     ]
     creates: list[dict[str, Any]] = [
         m for m in infra if m is not None and child_key(m) not in observed.children

@@ -27,6 +27,10 @@ def pod(job: str, index: int) -> str:
     return f"{job}-{index}"
 
 
+def worker_network_policy(job: str) -> str:
+    return f"{job}-workers"
+
+
 def claim_template(job: str) -> str:
     return f"{job}-gpus"
 

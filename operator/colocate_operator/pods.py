@@ -1,9 +1,15 @@
-"""Pure builders for the worker pods and their headless Service, including the pod environment contract.
+"""Pure builders for the worker pods, their headless Service and their NetworkPolicy, including the pod
+environment contract.
 
 Each pod holds a trainer and an SGLang (rollout) container on the same GPUs, with a shared PID namespace,
 one memory-backed /dev/shm and one socket directory mounted in both. The in-pod runtime reads the
 COLOCATE_* variables below (documented in operator/README.md); both containers get the same set, plus
-COLOCATE_CONTAINER telling them apart.
+COLOCATE_CONTAINER telling them apart, and SGLANG_API_KEY from spec.rollout.apiKeySecretRef where set.
+
+Pods are built to pass Pod Security "restricted" (non-root, seccomp RuntimeDefault, no privilege escalation,
+all capabilities dropped, no service account token); the spec's securityContext fields replace these
+defaults key by key. `shareProcessNamespace` is allowed by restricted and needed for CUDA IPC; it makes the
+two containers one trust domain, which they are anyway (the trainer drives SGLang and holds its key).
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ from colocate_operator.spec import DEFAULT_PORTS, ColocateJob
 
 ROLES = (CONTAINER_TRAINER, CONTAINER_ROLLOUT)
 PORT_NAMES = {CONTAINER_TRAINER: "rendezvous", CONTAINER_ROLLOUT: "http"}
+API_KEY_ENV = "SGLANG_API_KEY"  # read by runtime/colocated/config.py and runtime/sglang/serve.py
+DEFAULT_POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+DEFAULT_CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+# Set by the operator only (the CRD rejects them in user env too; dropped here for an older CRD).
+OPERATOR_ENV = frozenset({"NVIDIA_VISIBLE_DEVICES", API_KEY_ENV})
 
 
 def port(job: ColocateJob, role: str) -> int:
@@ -56,6 +70,24 @@ def headless_service(job: ColocateJob) -> dict[str, Any]:
                 }
                 for role in ROLES
             ],
+        },
+    }
+
+
+def network_policy(job: ColocateJob) -> dict[str, Any]:
+    """Ingress to the worker pods only from the job's own worker pods, on every port: the rendezvous and
+    SGLang ports, and the ports NCCL and gloo open between ranks, which are not known in advance. Nothing
+    else (the operator talks to the meta-store, never to the pods); kubelet probes from the node are always
+    allowed by NetworkPolicy. Policies add up, so a user opens more with a policy of their own."""
+    workers = {"matchLabels": names.selector(job.ref.name, COMPONENT_WORKER)}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": names.metadata(job.ref, names.worker_network_policy(job.ref.name), COMPONENT_WORKER),
+        "spec": {
+            "podSelector": workers,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": workers}]}],
         },
     }
 
@@ -104,7 +136,16 @@ def contract_env(
             "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": store.secret_key}},
         }
     )
+    key = spec.rollout.api_key_secret_ref
+    if key is not None:
+        # Both containers: SGLang runs with it, the trainer's client sends it.
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
     return env
+
+
+def security_context(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
+    """The user's fields replace the defaults' one by one (a user `capabilities` replaces ours whole)."""
+    return {**defaults, **user}
 
 
 def rollout_probes() -> dict[str, Any]:
@@ -135,7 +176,7 @@ def container(
     body["env"] = [
         *contract_env(job, index, restart, role, store, config),
         *gpus.container_env(job, role),
-        *(dict(e) for e in user.env),
+        *(dict(e) for e in user.env if e.get("name") not in OPERATOR_ENV),
     ]
     body["ports"] = [{"name": PORT_NAMES[role], "containerPort": port(job, role), "protocol": "TCP"}]
     if role == CONTAINER_ROLLOUT:
@@ -145,6 +186,7 @@ def container(
         {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},
         {"name": SOCKET_VOLUME, "mountPath": SOCKET_MOUNT_PATH},
     ]
+    body["securityContext"] = security_context(DEFAULT_CONTAINER_SECURITY, user.security_context)
     return body
 
 
@@ -168,6 +210,8 @@ def pod(
         "restartPolicy": "Never",
         "shareProcessNamespace": True,
         "enableServiceLinks": False,
+        "automountServiceAccountToken": spec.pod.automount_service_account_token,
+        "securityContext": security_context(DEFAULT_POD_SECURITY, spec.pod.security_context),
         "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
         "tolerations": [gpus.gpu_toleration(), *(dict(t) for t in spec.scheduling.tolerations)],
         "affinity": {

@@ -157,7 +157,10 @@ class Reconciler:
             for p in self.api.list(kube.PODS, ns, names.label_selector(name, COMPONENT_WORKER))
         )
         children: set[str] = set()
-        wanted = [(kube.SERVICES, "Service", names.headless_service(name))]
+        wanted = [
+            (kube.SERVICES, "Service", names.headless_service(name)),
+            (kube.NETWORK_POLICIES, "NetworkPolicy", names.worker_network_policy(name)),
+        ]
         if gpus.uses_dra(job):
             wanted.append((kube.CLAIM_TEMPLATES, "ResourceClaimTemplate", names.claim_template(name)))
         metastore_ready = False

@@ -49,6 +49,13 @@ class ParallelismSpec(_Model):
     inference: InferenceParallelism = InferenceParallelism()
 
 
+class SecretRef(_Model):
+    """A key of a Secret in the job's namespace, both parts required."""
+
+    name: str
+    key: str
+
+
 class ContainerSpec(_Model):
     image: str
     image_pull_policy: str | None = None
@@ -58,6 +65,9 @@ class ContainerSpec(_Model):
     env: tuple[dict[str, Any], ...] = ()
     resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
     port: int | None = None
+    # Kubernetes shape, laid over the operator's defaults key by key (pods.py).
+    security_context: dict[str, Any] = Field(default_factory=dict)
+    api_key_secret_ref: SecretRef | None = None  # rollout only (a CRD rule)
 
 
 class IpcPreflightSpec(_Model):
@@ -96,6 +106,8 @@ class PodSpec(_Model):
     shm_size: str = "16Gi"
     termination_grace_period_seconds: int = 30
     service_account_name: str | None = None
+    automount_service_account_token: bool = False
+    security_context: dict[str, Any] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 

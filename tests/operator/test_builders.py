@@ -370,3 +370,82 @@ def test_longest_job_name_fits_every_child_name() -> None:
         names.pod(job, 255),
     ):
         assert len(child) <= 63
+
+
+def test_worker_network_policy_admits_only_the_jobs_own_pods_on_every_port() -> None:
+    """No port list: NCCL and gloo open ports between ranks that are not known in advance."""
+    job = factories.job(trainer={"port": 23456}, rollout={"port": 8000})
+    policy = pods.network_policy(job)
+    workers = {"matchLabels": {"colocate.dev/job": "demo", "colocate.dev/component": "worker"}}
+    assert policy["kind"] == "NetworkPolicy" and policy["metadata"]["name"] == "demo-workers"
+    assert policy["spec"]["podSelector"] == workers
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": workers}]}]
+    # The policy selects exactly the pods that carry the ports.
+    pod_labels = build_pod(job)["metadata"]["labels"]
+    assert workers["matchLabels"].items() <= pod_labels.items()
+    assert names.worker_network_policy("j" * 40) != names.metastore("j" * 40)
+
+
+def test_pods_pass_pod_security_restricted_by_default() -> None:
+    spec = build_pod(factories.job())["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    for container in spec["containers"]:
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    assert not {"hostIPC", "hostPID", "hostNetwork"} & set(spec)
+
+
+def test_security_context_fields_replace_the_defaults_one_by_one() -> None:
+    job = factories.job(
+        pod={"securityContext": {"runAsUser": 1000, "fsGroup": 1000}, "automountServiceAccountToken": True},
+        rollout={
+            "securityContext": {"readOnlyRootFilesystem": True, "capabilities": {"add": ["SYS_PTRACE"]}}
+        },
+    )
+    spec = build_pod(job)["spec"]
+    assert spec["automountServiceAccountToken"] is True
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 1000,
+        "fsGroup": 1000,
+    }
+    trainer, rollout = spec["containers"]
+    assert trainer["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert rollout["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"add": ["SYS_PTRACE"]},
+        "readOnlyRootFilesystem": True,
+    }
+
+
+def test_api_key_from_its_secret_in_both_containers_never_on_a_command_line() -> None:
+    job = factories.job(rollout={"apiKeySecretRef": {"name": "sglang-auth", "key": "token"}})
+    pod = build_pod(job)
+    for container in pod["spec"]["containers"]:
+        assert env_of(container)["SGLANG_API_KEY"] == {
+            "secretKeyRef": {"name": "sglang-auth", "key": "token"}
+        }
+        assert not any(
+            "SGLANG_API_KEY" in a for a in [*container.get("command", []), *container.get("args", [])]
+        )
+    assert "SGLANG_API_KEY" not in json.dumps(build_pod(factories.job()))
+
+
+@pytest.mark.parametrize("allocation", ["DRA", "DevicePlugin"])
+def test_user_nvidia_visible_devices_never_reaches_a_container(allocation: str) -> None:
+    """The CRD refuses it; the builder drops it too, for a cluster whose CRD is older than the operator."""
+    widen = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}, {"name": "SGLANG_API_KEY", "value": "x"}]
+    job = factories.job(gpu={"allocation": allocation}, trainer={"env": widen}, rollout={"env": widen})
+    trainer, rollout = build_pod(job)["spec"]["containers"]
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(trainer)
+    assert "SGLANG_API_KEY" not in env_of(trainer)
+    # DevicePlugin: the one operator-set value (module doc of gpus.py says why); DRA: none.
+    visible = [e for e in rollout["env"] if e["name"] == "NVIDIA_VISIBLE_DEVICES"]
+    assert visible == (
+        [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if allocation == "DevicePlugin" else []
+    )

@@ -26,6 +26,7 @@ INFRA = frozenset(
         "NetworkPolicy/demo-metastore",
         "ResourceClaimTemplate/demo-gpus",
         "Service/demo",
+        "NetworkPolicy/demo-workers",
     }
 )
 
@@ -107,6 +108,7 @@ def test_fresh_job_creates_every_child_and_all_pods() -> None:
         "NetworkPolicy",
         "ResourceClaimTemplate",
         "Service",
+        "NetworkPolicy",
         "Pod",
         "Pod",
     ]
@@ -448,7 +450,7 @@ def test_external_metastore_secret_missing() -> None:
             "external": {"address": "redis:6379", "passwordSecretRef": {"name": "redis-auth"}},
         }
     )
-    children = frozenset({"ResourceClaimTemplate/demo-gpus", "Service/demo"})
+    children = frozenset({"ResourceClaimTemplate/demo-gpus", "Service/demo", "NetworkPolicy/demo-workers"})
     observed = Observed(
         pods=running_observed().pods, children=children, external_secret_found=False, claims=claims(0, 1)
     )

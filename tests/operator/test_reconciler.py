@@ -184,11 +184,13 @@ def test_create_failures_are_reported_once_and_retried(api: FakeKube, reconciler
     api.fail_create["networkpolicies"] = 403
     assert reconciler._pass("ns", "demo") == 5.0
     assert reconciler._pass("ns", "demo") == 5.0
-    assert api.event_reasons().count("FailedToCreate") == 1
+    # Once per object: the meta-store's and the workers' NetworkPolicy.
+    assert api.event_reasons().count("FailedToCreate") == 2
     assert api.calls.count(("create", "networkpolicies", "demo-metastore")) == 2
     del api.fail_create["networkpolicies"]
     reconciler._pass("ns", "demo")
     assert ("networkpolicies", "ns", "demo-metastore") in api.objects
+    assert ("networkpolicies", "ns", "demo-workers") in api.objects
 
 
 def test_deleted_job_is_forgotten(api: FakeKube, reconciler: Reconciler) -> None:
