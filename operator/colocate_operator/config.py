@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from colocate_operator.addresses import AddressAllowList
+
 
 class ConfigError(ValueError):
     """A setting a user can fix; the message names the variable."""
@@ -27,8 +29,14 @@ class OperatorConfig:
     )
     # Cap of the exponential restart backoff.
     max_backoff_seconds: float = 300.0
+    # A pod still Terminating this long after its grace period ended sits on a node that no longer answers
+    # (its kubelet would have confirmed): it is deleted with grace 0 so the group restart can go on.
+    force_delete_after_seconds: float = 120.0
     # Fault injection for tests only: pause between pod creations so a test can kill the operator mid-way.
     create_delay_seconds: float = 0.0
+    # External meta-store addresses the operator may dial with a job's password (addresses.py); none: every
+    # External job is refused.
+    external_metastore_allow: AddressAllowList = AddressAllowList()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -38,6 +46,7 @@ class OperatorConfig:
             "COLOCATE_RECONCILE_INTERVAL_SECONDS": "reconcile_interval_seconds",
             "COLOCATE_MAX_BACKOFF_SECONDS": "max_backoff_seconds",
             "COLOCATE_CREATE_DELAY_SECONDS": "create_delay_seconds",
+            "COLOCATE_FORCE_DELETE_AFTER_SECONDS": "force_delete_after_seconds",
         }
         for var, attr in floats.items():
             if env.get(var):
@@ -63,6 +72,13 @@ class OperatorConfig:
             kwargs["operator_pod_labels"] = parse_labels(
                 env["COLOCATE_OPERATOR_POD_LABELS"], "COLOCATE_OPERATOR_POD_LABELS"
             )
+        if env.get("COLOCATE_EXTERNAL_METASTORE_ALLOW"):
+            try:
+                kwargs["external_metastore_allow"] = AddressAllowList.parse(
+                    env["COLOCATE_EXTERNAL_METASTORE_ALLOW"]
+                )
+            except ValueError as e:
+                raise ConfigError(f"COLOCATE_EXTERNAL_METASTORE_ALLOW: {e}") from None
         config = cls(**kwargs)  # type: ignore[arg-type]
         if config.reconcile_interval_seconds <= 0:
             raise ConfigError("COLOCATE_RECONCILE_INTERVAL_SECONDS must be positive")

@@ -99,12 +99,15 @@ class Reason:
     REDIS_STARTING: Final = "RedisStarting"
     EXTERNAL_CONFIGURED: Final = "ExternalConfigured"
     SECRET_NOT_FOUND: Final = "SecretNotFound"
+    EXTERNAL_ADDRESS_NOT_ALLOWED: Final = "ExternalAddressNotAllowed"
+    NAME_TAKEN: Final = "NameTaken"  # a child's name is held by an object not the job's (also PodsReady)
     # ResourcesAllocated
     CLAIMS_ALLOCATED: Final = "ClaimsAllocated"
     CLAIM_PENDING: Final = "ClaimPending"
     DEVICE_CLASS_NOT_FOUND: Final = "DeviceClassNotFound"
     DEVICE_PLUGIN_FALLBACK: Final = "DevicePluginFallback"
     WAITING_FOR_SCHEDULING: Final = "WaitingForScheduling"
+    UNSCHEDULABLE: Final = "Unschedulable"  # the message carries the scheduler's reason
     NO_PODS: Final = "NoPods"
     # PodsReady
     ALL_PODS_READY: Final = "AllPodsReady"
@@ -112,6 +115,7 @@ class Reason:
     PODS_NOT_CREATED: Final = "PodsNotCreated"
     WAITING_FOR_BACKOFF: Final = "WaitingForBackoff"
     WAITING_FOR_OLD_PODS: Final = "WaitingForOldPods"
+    WAITING_FOR_FINAL_RECORD: Final = "WaitingForFinalRecord"  # a pod exited; did the trainer finish?
     # Suspended
     SUSPENDED_BY_USER: Final = "SuspendedByUser"
     NOT_SUSPENDED: Final = "NotSuspended"
@@ -120,6 +124,7 @@ class Reason:
     POD_DELETED: Final = "PodDeleted"
     POD_EVICTED: Final = "PodEvicted"
     POD_EXITED_WITHOUT_FINAL_STEP: Final = "PodExitedWithoutFinalStep"
+    PLACEMENT_TIMEOUT: Final = "PlacementTimeout"  # a partly placed group released its GPUs
     GROUP_RUNNING: Final = "GroupRunning"
     # Failed / Succeeded
     MAX_RESTARTS_EXCEEDED: Final = "MaxRestartsExceeded"
@@ -143,6 +148,7 @@ class Reason:
     FAILED_TO_CREATE: Final = "FailedToCreate"
     RESTARTING_GROUP: Final = "RestartingGroup"
     DELETED_PODS: Final = "DeletedPods"
+    FORCE_DELETED_POD: Final = "ForceDeletedPod"
     RESUMED: Final = "Resumed"
     JOB_RUNNING: Final = "JobRunning"
     JOB_FAILED: Final = "JobFailed"

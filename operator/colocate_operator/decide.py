@@ -37,6 +37,8 @@ OWNED_STATUS_KEYS = (
     "conditions",
 )
 SOON = 1.0  # seconds: re-check after creating or deleting, when no watch event may come
+NAME_TAKEN_RECHECK = 10.0  # a child name held by someone else: look again now and then, not at 1 Hz
+FINISHED = ("Succeeded", "Failed")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Plan:
     status: dict[str, Any]
     creates: tuple[dict[str, Any], ...] = ()
     deletes: tuple[PodRef, ...] = ()
+    force_deletes: tuple[PodRef, ...] = ()  # grace 0: pods whose node stopped answering
     persist_first: bool = False
     delete_job: bool = False
     events: tuple[EventSpec, ...] = ()
@@ -94,6 +97,8 @@ class _Pass:
     now: datetime
     updates: list[Condition] = field(default_factory=list)
     events: list[EventSpec] = field(default_factory=list)
+    force_deletes: list[PodRef] = field(default_factory=list)
+    wake: float | None = None  # seconds until a stuck pod is due for a forced deletion
 
     @property
     def n(self) -> int:
@@ -145,11 +150,14 @@ def decide(
     )
     stale = [pod for pod in observed.pods if pod not in current]
     _replica_status(p, new, current)
+    _force_delete_stuck(p, config)
 
     if phase in Phase.TERMINAL:
         return _terminal(p, new, config)
 
-    # Children that outlive pod groups: meta-store, claim template, headless Service.
+    # Children that outlive pod groups: meta-store, claim template, headless Service. A name another object
+    # holds is not created (and not counted as ours): it becomes a condition instead.
+    foreign = {f.key for f in observed.foreign}
     infra = [
         *metastore.managed_children(job, config, password),
         gpus.claim_template(job),
@@ -157,12 +165,26 @@ def decide(
         pods.network_policy(job),
     ]
     creates: list[dict[str, Any]] = [
-        m for m in infra if m is not None and child_key(m) not in observed.children
+        m
+        for m in infra
+        if m is not None and child_key(m) not in observed.children and child_key(m) not in foreign
     ]
+    # Redis mounts the Secret and the pods read it by name: neither is created before this job's own Secret
+    # exists or is created in this pass (first; the executor holds them back if that create is refused), so
+    # a predecessor's Secret still being collected can never hand Redis and the pods different passwords.
+    secret_key = f"Secret/{names.metastore_secret(job.ref.name)}"
+    secret_ours = (
+        store.mode != "Managed"
+        or secret_key in observed.children
+        or any(child_key(m) == secret_key for m in creates)
+    )
+    if not secret_ours:
+        creates = [m for m in creates if m["kind"] != "Deployment"]
     if any(m["kind"] == "Deployment" for m in creates):
         p.event(
             "Normal", Reason.CREATED_META_STORE, f"Created Redis meta-store {names.metastore(job.ref.name)}"
         )
+    name_taken = _name_taken_message(p)
     meta_ready = _metastore_condition(p, store)
 
     if spec.suspend:
@@ -184,16 +206,32 @@ def decide(
     if phase == Phase.SUSPENDED:
         p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
 
-    final_recorded = bool((status.get("weightSync") or {}).get("finalStepRecorded"))
-    if final_recorded and len(current) == p.n and all(pod.phase == "Succeeded" for pod in current):
+    # Once the trainer recorded its final step the training is done: whatever the pods do next (exit 0, fail,
+    # vanish) ends the job, never restarts it. `final_record` is the step follower's own answer, which may be
+    # ahead of status (a restarted operator replays the stream; a status write can be backing off).
+    final_recorded = (
+        bool((status.get("weightSync") or {}).get("finalStepRecorded")) or observed.final_record is True
+    )
+    active = [pod for pod in current if pod.phase not in FINISHED and not pod.deleting]
+    if final_recorded and (current or new["groupCreated"]) and not active:
         new.update(phase=Phase.SUCCEEDED, completionTime=conditions.timestamp(now))
-        p.condition(Cond.SUCCEEDED, True, Reason.FINAL_STEP_RECORDED, "the trainer recorded its final step")
+        failed_after = [pod.describe() for pod in current if pod.phase == "Failed"]
+        message = "the trainer recorded its final step" + (
+            f"; after it, {'; '.join(failed_after)}" if failed_after else ""
+        )
+        p.condition(Cond.SUCCEEDED, True, Reason.FINAL_STEP_RECORDED, message)
         p.event("Normal", Reason.JOB_SUCCEEDED, "All pods finished after the trainer recorded its final step")
         return _plan(p, new, creates=creates, persist_first=True)
 
-    cause = _group_failure(job, current, new["groupCreated"], final_recorded)
+    exits = [pod for pod in current if pod.phase in FINISHED]
+    waiting_for_final = bool(exits) and not final_recorded and observed.final_record_pending
+    cause = None if final_recorded or waiting_for_final else _group_failure(job, current, new["groupCreated"])
+    if cause is None:
+        cause = _placement_timeout(p, current, new["groupCreated"])
     if cause is not None:
         reason, message = cause
+        if reason == Reason.POD_EXITED_WITHOUT_FINAL_STEP and observed.final_record is None:
+            message += " (the step stream could not be read to its end to confirm)"
         if restarts >= spec.run_policy.max_restarts:
             return _fail(
                 p,
@@ -202,25 +240,33 @@ def decide(
                 f"{message}; all {spec.run_policy.max_restarts} restarts used",
                 creates,
             )
-        return _restart(p, new, reason, message, creates)
+        return _restart(p, new, reason, message, creates, config)
 
     # No failure: finish a restart or a resume (old pods gone, backoff over), then create what is missing.
     deletes = [PodRef(pod.name, pod.uid) for pod in stale if not pod.deleting]
     requeue: float | None = None
     pods_condition: Condition | None = None
-    if not new["groupCreated"]:
-        present = {pod.index for pod in current if not pod.deleting}
-        ready_at = (parse_time(status.get("lastRestartTime")) or now) + timedelta(
-            seconds=restart_delay(restarts, spec.run_policy.backoff_seconds, config.max_backoff_seconds)
+    if waiting_for_final:
+        pods_condition = Condition(
+            Cond.PODS_READY,
+            False,
+            Reason.WAITING_FOR_FINAL_RECORD,
+            f"{exits[0].describe()}; reading the step stream for the trainer's final record before "
+            "treating the exit as a failure",
         )
+        requeue = _min_delay(requeue, SOON)
+    elif not new["groupCreated"]:
+        present = {pod.index for pod in current if not pod.deleting}
+        delay = restart_delay(restarts, spec.run_policy.backoff_seconds, config.max_backoff_seconds)
+        ready_at = (parse_time(status.get("lastRestartTime")) or now) + timedelta(seconds=delay)
         if stale or len(present) < len(current):
             pods_condition = Condition(
                 Cond.PODS_READY,
                 False,
                 Reason.WAITING_FOR_OLD_PODS,
-                f"waiting for {len(stale) + len(current) - len(present)} old pods to terminate",
+                _old_pods_message(p, stale, current, config),
             )
-            requeue = SOON
+            requeue = _min_delay(requeue, SOON)
         elif len(present) == p.n:
             new["groupCreated"] = True
         elif now < ready_at:
@@ -228,11 +274,20 @@ def decide(
                 Cond.PODS_READY,
                 False,
                 Reason.WAITING_FOR_BACKOFF,
-                f"restart {restarts} creates pods at {conditions.timestamp(ready_at)}",
+                f"restart {restarts} creates pods at {conditions.timestamp(ready_at)}"
+                + _backoff_capped(job, config),
             )
-            requeue = (ready_at - now).total_seconds()
+            requeue = _min_delay(requeue, (ready_at - now).total_seconds())
         elif gpus.uses_dra(job) and observed.device_class_found is False:
             pass  # reported by ResourcesAllocated below; pods would only sit unschedulable
+        elif not store.allowed:
+            pass  # reported by MetaStoreReady: the pods would send the password to a refused address
+        elif name_taken or not secret_ours:
+            # The pods would dial (and send the password to) whatever holds the meta-store's names.
+            pods_condition = Condition(
+                Cond.PODS_READY, False, Reason.NAME_TAKEN, f"pods are not created: {name_taken}"
+            )
+            requeue = _min_delay(requeue, NAME_TAKEN_RECHECK)
         else:
             store_pods = [pods.pod(job, i, restarts, store, config) for i in range(p.n) if i not in present]
             creates.extend(store_pods)
@@ -261,7 +316,121 @@ def decide(
         requeue = _min_delay(requeue, SOON)
     if deadline and start:  # wake up when the deadline passes, not at the next resync
         requeue = _min_delay(requeue, (start + timedelta(seconds=deadline) - now).total_seconds())
+    placement = _placement_deadline(p, current, new["groupCreated"])
+    if placement is not None:
+        requeue = _min_delay(requeue, (placement - now).total_seconds())
     return _plan(p, new, creates=creates, deletes=deletes, requeue_after=requeue)
+
+
+def _name_taken_message(p: _Pass) -> str:
+    """Objects holding the job's child names that are not the job's: a condition (and one Event when it
+    starts) naming them, never silent success and never a create retried every second."""
+    foreign = p.observed.foreign
+    if not foreign:
+        return ""
+    ns = p.job.ref.namespace
+    message = "; ".join(f.describe(ns) for f in foreign) + (
+        ": delete or rename it, or rename this job" if len(foreign) == 1 else ": delete or rename them"
+    )
+    previous = (p.previous_reason(Cond.PODS_READY), p.previous_reason(Cond.META_STORE_READY))
+    if Reason.NAME_TAKEN not in previous:
+        p.event("Warning", Reason.NAME_TAKEN, message)
+    return message
+
+
+def _metastore_names(job: ColocateJob) -> set[str]:
+    name = names.metastore(job.ref.name)
+    return {
+        f"Secret/{names.metastore_secret(job.ref.name)}",
+        f"Deployment/{name}",
+        f"Service/{name}",
+        f"NetworkPolicy/{name}",
+    }
+
+
+def _force_delete_stuck(p: _Pass, config: OperatorConfig) -> None:
+    """Pods still Terminating `force_delete_after_seconds` past their grace period sit on a node whose
+    kubelet no longer answers; with fixed pod names they would block the group restart forever. They are
+    deleted with grace 0 (the plan wakes up when the next one is due)."""
+    grace = timedelta(seconds=config.force_delete_after_seconds)
+    for pod in p.observed.pods:
+        if not pod.deleting or pod.delete_by is None:
+            continue
+        due = pod.delete_by + grace
+        if p.now < due:
+            p.wake = _min_delay(p.wake, (due - p.now).total_seconds())
+            continue
+        p.force_deletes.append(PodRef(pod.name, pod.uid))
+        late = int((p.now - pod.delete_by).total_seconds())
+        where = f" on node {pod.node}" if pod.node else ""
+        p.event(
+            "Warning",
+            Reason.FORCE_DELETED_POD,
+            f"pod {pod.name}{where} was still terminating {late} s after its grace period ended (its node "
+            "does not confirm the deletion): deleted with grace period 0",
+        )
+
+
+def _old_pods_message(
+    p: _Pass, stale: list[PodState], current: list[PodState], config: OperatorConfig
+) -> str:
+    waiting = [pod for pod in (*stale, *current) if pod.deleting or pod in stale]
+    message = f"waiting for {len(waiting)} old pods to terminate"
+    late = [pod for pod in waiting if pod.deleting and pod.delete_by is not None and p.now > pod.delete_by]
+    if late:
+        pod = late[0]
+        due = pod.delete_by + timedelta(seconds=config.force_delete_after_seconds)  # type: ignore[operator]
+        message += (
+            f"; pod {pod.name}{f' on node {pod.node}' if pod.node else ''} is past its grace period and is "
+            f"deleted with grace period 0 at {conditions.timestamp(max(due, p.now))}"
+        )
+    return message
+
+
+def _backoff_capped(job: ColocateJob, config: OperatorConfig) -> str:
+    asked = job.spec.run_policy.backoff_seconds
+    if asked <= config.max_backoff_seconds:
+        return ""
+    return (
+        f" (spec.runPolicy.backoffSeconds={asked} is above the operator's cap of "
+        f"{config.max_backoff_seconds:.0f} s, so the cap applies)"
+    )
+
+
+def _unplaced(current: list[PodState]) -> list[PodState]:
+    return [pod for pod in current if not pod.scheduled and pod.phase == "Pending" and not pod.deleting]
+
+
+def _placement_deadline(p: _Pass, current: list[PodState], group_created: bool) -> datetime | None:
+    """When a partly placed group must give its GPUs back: the placed pods hold GPUs the unplaced ones wait
+    for, and maybe the other way round in another job (two half-placed gangs never finish)."""
+    unplaced = _unplaced(current)
+    if not group_created or not unplaced or len(unplaced) == len(current):
+        return None
+    created = [pod.created for pod in current if pod.created is not None]
+    if not created:
+        return None
+    return max(created) + timedelta(seconds=p.job.spec.scheduling.placement_timeout_seconds)
+
+
+def _placement_timeout(p: _Pass, current: list[PodState], group_created: bool) -> tuple[str, str] | None:
+    deadline = _placement_deadline(p, current, group_created)
+    if deadline is None or p.now < deadline:
+        return None
+    unplaced = _unplaced(current)
+    timeout = p.job.spec.scheduling.placement_timeout_seconds
+    return (
+        Reason.PLACEMENT_TIMEOUT,
+        f"only {len(current) - len(unplaced)}/{p.n} pods were placed within "
+        f"spec.scheduling.placementTimeoutSeconds={timeout}, so the placed ones give their GPUs back; "
+        f"{_unschedulable_detail(unplaced)}",
+    )
+
+
+def _unschedulable_detail(unplaced: list[PodState]) -> str:
+    pod = unplaced[0]
+    more = f" (and {len(unplaced) - 1} more)" if len(unplaced) > 1 else ""
+    return f"pod {pod.name}{more}: {pod.unschedulable or 'not scheduled yet'}"
 
 
 def ipc_preflight_failure(job: ColocateJob, status: dict[str, Any]) -> str | None:
@@ -275,15 +444,14 @@ def ipc_preflight_failure(job: ColocateJob, status: dict[str, Any]) -> str | Non
     return f"IPC preflight failed ({found.get('reason')}): {found.get('message') or 'no detail'}"
 
 
-def _group_failure(
-    job: ColocateJob, current: list[PodState], group_created: bool, final_recorded: bool
-) -> tuple[str, str] | None:
-    """Why the current group must be restarted, or None. A missing pod counts only once all existed."""
+def _group_failure(job: ColocateJob, current: list[PodState], group_created: bool) -> tuple[str, str] | None:
+    """Why the current group must be restarted (the final step is not recorded), or None. A missing pod
+    counts only once all existed."""
     for pod in current:
         if pod.phase == "Failed":
             return (Reason.POD_EVICTED if pod.reason == "Evicted" else Reason.POD_FAILED), pod.describe()
     for pod in current:
-        if pod.phase == "Succeeded" and not final_recorded:
+        if pod.phase == "Succeeded":
             return (
                 Reason.POD_EXITED_WITHOUT_FINAL_STEP,
                 f"pod {pod.name} exited before the trainer recorded its final step",
@@ -326,6 +494,16 @@ def _replica_status(p: _Pass, new: dict[str, Any], current: list[PodState]) -> N
 
 
 def _metastore_condition(p: _Pass, store: metastore.MetaStoreEndpoint) -> bool:
+    taken = [f for f in p.observed.foreign if f.key in _metastore_names(p.job)]
+    if store.mode == "Managed" and taken:
+        ns = p.job.ref.namespace
+        p.condition(
+            Cond.META_STORE_READY,
+            False,
+            Reason.NAME_TAKEN,
+            "; ".join(f.describe(ns) for f in taken) + ": this job's Redis is not created, nobody dials it",
+        )
+        return False
     if store.mode == "Managed":
         ready = p.observed.metastore_ready
         p.condition(
@@ -335,6 +513,9 @@ def _metastore_condition(p: _Pass, store: metastore.MetaStoreEndpoint) -> bool:
             f"Redis at {store.address}" + ("" if ready else " is starting"),
         )
         return ready
+    if not store.allowed:  # the operator reads no Secret and dials nothing for it; no pods either
+        p.condition(Cond.META_STORE_READY, False, Reason.EXTERNAL_ADDRESS_NOT_ALLOWED, store.refusal())
+        return False
     if p.observed.external_secret_found is False:
         p.condition(
             Cond.META_STORE_READY,
@@ -356,12 +537,24 @@ def _pods_condition(p: _Pass, current: list[PodState], override: Condition | Non
     elif not current:
         p.condition(Cond.PODS_READY, False, Reason.PODS_NOT_CREATED, f"0/{p.n} pods created")
     else:
-        p.condition(Cond.PODS_READY, False, Reason.PODS_PENDING, f"{ready}/{p.n} pods ready")
+        unplaced = [pod for pod in _unplaced(current) if pod.unschedulable]
+        detail = f"; {_unschedulable_detail(unplaced)}" if unplaced else ""
+        p.condition(Cond.PODS_READY, False, Reason.PODS_PENDING, f"{ready}/{p.n} pods ready{detail}")
     return override is None and ready == p.n
 
 
 def _resources_condition(p: _Pass, current: list[PodState]) -> None:
     job = p.job
+    unplaced = [pod for pod in _unplaced(current) if pod.unschedulable]
+    if unplaced and not (gpus.uses_dra(job) and p.observed.device_class_found is False):
+        scheduled = sum(1 for pod in current if pod.scheduled)
+        p.condition(
+            Cond.RESOURCES_ALLOCATED,
+            False,
+            Reason.UNSCHEDULABLE,
+            f"{scheduled}/{p.n} pods scheduled; {_unschedulable_detail(unplaced)}",
+        )
+        return
     if not gpus.uses_dra(job):
         scheduled = sum(1 for pod in current if pod.scheduled)
         if current and scheduled == p.n:
@@ -413,6 +606,9 @@ def _resources_condition(p: _Pass, current: list[PodState]) -> None:
 
 def _suspend(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]]) -> Plan:
     deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting]
+    # Like a Job's: the active deadline counts from the (re)start, so a suspended job (a Kueue-preempted one,
+    # say) does not fail DeadlineExceeded as soon as it resumes. Pod creation on resume sets it again.
+    new.pop("startTime", None)
     new.update(phase=Phase.SUSPENDED, groupCreated=False)
     message = "pods deleted; meta-store, claim template and Services kept"
     p.condition(Cond.SUSPENDED, True, Reason.SUSPENDED_BY_USER, message)
@@ -432,7 +628,14 @@ def _suspend(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, 
     )
 
 
-def _restart(p: _Pass, new: dict[str, Any], reason: str, message: str, creates: list[dict[str, Any]]) -> Plan:
+def _restart(
+    p: _Pass,
+    new: dict[str, Any],
+    reason: str,
+    message: str,
+    creates: list[dict[str, Any]],
+    config: OperatorConfig,
+) -> Plan:
     restarts = int(new["restarts"]) + 1
     limit = p.job.spec.run_policy.max_restarts
     new.update(
@@ -441,7 +644,9 @@ def _restart(p: _Pass, new: dict[str, Any], reason: str, message: str, creates: 
         groupCreated=False,
         lastRestartTime=conditions.timestamp(p.now),
     )
-    detail = f"{message}; recreating all {p.n} pods (restart {restarts} of {limit})"
+    detail = f"{message}; recreating all {p.n} pods (restart {restarts} of {limit})" + _backoff_capped(
+        p.job, config
+    )
     p.condition(Cond.RESTARTING, True, reason, detail)
     p.condition(Cond.PODS_READY, False, reason, message)
     p.event("Warning", Reason.RESTARTING_GROUP, detail)
@@ -507,10 +712,11 @@ def _plan(
         status=new,
         creates=tuple(creates or ()),
         deletes=tuple(deletes or ()),
+        force_deletes=tuple(p.force_deletes),
         persist_first=persist_first,
         delete_job=delete_job,
         events=tuple(p.events),
-        requeue_after=requeue_after,
+        requeue_after=_min_delay(requeue_after, p.wake, SOON if p.force_deletes else None),
     )
 
 

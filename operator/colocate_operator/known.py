@@ -20,6 +20,7 @@ from colocate_operator.observed import ClaimState
 @dataclass
 class _Job:
     children: dict[str, float] = field(default_factory=dict)  # Kind/name -> when seen
+    conflicts: set[str] = field(default_factory=set)  # Kind/name whose create was refused with 409
     claims: dict[str, ClaimState] = field(default_factory=dict)  # allocated claims only
 
 
@@ -49,6 +50,23 @@ class KnownFacts:
         with self._lock:
             if uid in self._jobs:
                 self._jobs[uid].children.pop(child, None)
+
+    def conflict(self, uid: str, child: str) -> None:
+        """A create of `child` found the name taken: the next passes read it until it is ours or gone."""
+        with self._lock:
+            job = self._jobs.setdefault(uid, _Job())
+            job.children.pop(child, None)
+            job.conflicts.add(child)
+
+    def conflicts(self, uid: str) -> frozenset[str]:
+        with self._lock:
+            job = self._jobs.get(uid)
+            return frozenset(job.conflicts) if job else frozenset()
+
+    def resolved(self, uid: str, child: str) -> None:
+        with self._lock:
+            if uid in self._jobs:
+                self._jobs[uid].conflicts.discard(child)
 
     def claims(self, uid: str) -> dict[str, ClaimState]:
         with self._lock:

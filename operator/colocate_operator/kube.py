@@ -147,13 +147,24 @@ class Kube:
     def create(self, kind: Kind, namespace: str | None, body: dict[str, Any]) -> None:
         self._request("POST", kind.path(namespace), body=body, decode=False)
 
-    def delete(self, kind: Kind, namespace: str | None, name: str, *, uid: str | None = None) -> bool:
-        """False if it was already gone. `uid` makes sure a newer object of the same name survives."""
+    def delete(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        name: str,
+        *,
+        uid: str | None = None,
+        grace_seconds: int | None = None,
+    ) -> bool:
+        """False if it was already gone. `uid` makes sure a newer object of the same name survives;
+        `grace_seconds=0` removes a pod without waiting for its kubelet (a lost node's pod)."""
         options: dict[str, Any] = {
             "kind": "DeleteOptions",
             "apiVersion": "v1",
             "propagationPolicy": "Background",
         }
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
         if uid:
             options["preconditions"] = {"uid": uid}
         try:

@@ -1,7 +1,10 @@
 """Deterministic child names, labels and ownerReferences: a restarted operator finds what it made before.
 
 The CRD limits job names to DNS-1035 labels of at most 40 characters, so every name below fits the
-63-character limit of Service names and pod hostnames.
+63-character limit of Service names and pod hostnames. No two jobs may produce the same child name: the
+only child name that is another job's name plus a suffix is the headless Service (the job's name itself),
+so the CRD refuses job names ending in a suffix that names another child of the same kind
+(RESERVED_SUFFIXES; a unit test enumerates every child of pairs of names).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from colocate_operator.constants import (
     OPERATOR_NAME,
 )
 from colocate_operator.spec import JobRef
+
+# Job X's Redis Service is X-metastore: a job named X-metastore would get it as its headless Service.
+RESERVED_SUFFIXES = ("-metastore",)
 
 
 def headless_service(job: str) -> str:
@@ -42,6 +48,19 @@ def metastore(job: str) -> str:
 
 def metastore_secret(job: str) -> str:
     return f"{job}-metastore-auth"
+
+
+def children(job: str, num_nodes: int) -> list[tuple[str, str]]:
+    """(kind, name) of every named child, for the collision test."""
+    return [
+        ("Service", headless_service(job)),
+        ("ResourceClaimTemplate", claim_template(job)),
+        ("Deployment", metastore(job)),
+        ("Service", metastore(job)),
+        ("NetworkPolicy", metastore(job)),
+        ("Secret", metastore_secret(job)),
+        *(("Pod", pod(job, i)) for i in range(num_nodes)),
+    ]
 
 
 def pod_fqdn(job: str, index: int, namespace: str, cluster_domain: str) -> str:

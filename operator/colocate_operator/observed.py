@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from colocate_operator.constants import CLAIM_NAME, LABEL_REPLICA_INDEX, LABEL_RESTART
@@ -13,6 +14,24 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
         return int(labels[key])
     except (KeyError, ValueError):
         return None
+
+
+def _time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _unschedulable(conditions: list[dict[str, Any]]) -> str | None:
+    """The scheduler's own words (e.g. "0/5 nodes are available: 4 Insufficient nvidia.com/gpu") while the
+    pod cannot be placed; the job's conditions repeat them instead of a bare count."""
+    for c in conditions:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return str(c.get("message") or c.get("reason") or "Unschedulable")
+    return None
 
 
 def _owned_by(body: dict[str, Any], uid: str) -> bool:
@@ -36,12 +55,20 @@ class PodState:
     reason: str | None = None
     message: str | None = None
     claim: str | None = None
+    unschedulable: str | None = None  # the scheduler's message while PodScheduled is False
+    created: datetime | None = None
+    # When a graceful deletion should have ended (metadata.deletionTimestamp): a pod still here long after
+    # it sits on a node that no longer answers.
+    delete_by: datetime | None = None
+    node: str | None = None
 
     @classmethod
     def from_body(cls, body: dict[str, Any], job_uid: str) -> PodState:
         meta, status = body.get("metadata", {}), body.get("status") or {}
         labels = meta.get("labels") or {}
-        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+        pod_conditions = list(status.get("conditions") or [])
+        conditions = {c.get("type"): c.get("status") for c in pod_conditions}
+        node = (body.get("spec") or {}).get("nodeName")
         claim = next(
             (
                 c.get("resourceClaimName")
@@ -58,12 +85,15 @@ class PodState:
             owned=_owned_by(body, job_uid),
             phase=status.get("phase") or "Pending",
             deleting=bool(meta.get("deletionTimestamp")),
-            scheduled=bool((body.get("spec") or {}).get("nodeName"))
-            or conditions.get("PodScheduled") == "True",
+            scheduled=bool(node) or conditions.get("PodScheduled") == "True",
             ready=conditions.get("Ready") == "True",
             reason=status.get("reason"),
             message=status.get("message"),
             claim=claim,
+            unschedulable=None if node else _unschedulable(pod_conditions),
+            created=_time(meta.get("creationTimestamp")),
+            delete_by=_time(meta.get("deletionTimestamp")),
+            node=node or None,
         )
 
     def describe(self) -> str:
@@ -86,15 +116,63 @@ class ClaimState:
 
 
 @dataclass(frozen=True)
+class ForeignChild:
+    """An object holding one of the job's child names that the job does not own (another job's, a user's,
+    or the predecessor's of a job re-created under the same name while garbage collection removes it)."""
+
+    key: str  # Kind/name
+    owner: str = ""  # "ColocateJob other" or "" when it has no controller
+    deleting: bool = False
+
+    def describe(self, namespace: str) -> str:
+        kind, _, name = self.key.partition("/")
+        whose = f"owned by {self.owner}" if self.owner else "not owned by this job"
+        return f"{kind} {namespace}/{name} exists, {whose}" + (" (being deleted)" if self.deleting else "")
+
+    @classmethod
+    def from_body(cls, key: str, body: dict[str, Any]) -> ForeignChild:
+        meta = body.get("metadata") or {}
+        owner = next(
+            (
+                f"{ref.get('kind')} {ref.get('name')}"
+                for ref in meta.get("ownerReferences") or []
+                if ref.get("controller")
+            ),
+            "",
+        )
+        return cls(key, owner, bool(meta.get("deletionTimestamp")))
+
+
+@dataclass(frozen=True)
 class Observed:
-    """`children` holds `Kind/name` of every non-pod child that exists and belongs to this job."""
+    """`children` holds `Kind/name` of every non-pod child that exists and belongs to this job; `foreign`
+    the child names held by objects the job does not own.
+
+    `final_record` is the step follower's answer to "did the trainer record its final step?", asked only
+    when a pod has exited without status saying so: True (it did), False (the follower read the stream to
+    its end after the pod exited, and it did not), None (no answer); `final_record_pending` says an answer
+    is still worth waiting for (the reconciler bounds that wait)."""
 
     pods: tuple[PodState, ...] = ()
     children: frozenset[str] = frozenset()
+    foreign: tuple[ForeignChild, ...] = ()
     metastore_ready: bool = False
     external_secret_found: bool | None = None  # None: not checked (mode Managed) or not readable
     device_class_found: bool | None = None  # None: not checked or not readable
     claims: dict[str, ClaimState] = field(default_factory=dict)
+    final_record: bool | None = None
+    final_record_pending: bool = False
+
+
+@dataclass
+class StreamProgress:
+    """What a job's step follower (stepwatch.py) has read, for the reconciler's catch-up barrier: whether the
+    trainer's final record was among it, and when the newest XREAD that reached the stream's end was issued
+    (wall-clock seconds; 0 before the first). Written on the event loop, read by reconcile workers: two
+    plain attributes, each replaced whole."""
+
+    final: bool = False
+    caught_up_at: float = 0.0
 
 
 def child_key(body: dict[str, Any]) -> str:

@@ -16,24 +16,28 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from colocate_operator import gpus, kube, kube_events, metrics, names
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND
+from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND, Phase
 from colocate_operator.decide import EventSpec, Plan, decide, status_patch
 from colocate_operator.known import KnownFacts
-from colocate_operator.observed import ClaimState, Observed, PodState
+from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState, StreamProgress
 from colocate_operator.spec import ColocateJob
 from colocate_operator.workqueue import WorkQueue
 
 log = logging.getLogger("colocate_operator.reconciler")
 EVENT_REPEAT_SECONDS = 300.0  # a failure that persists is re-posted as an Event at most this often
 ERROR_RETRY_SECONDS = 5.0
+# How long a pod's exit waits for the step follower to read the stream to its end before it may count as
+# an exit without the final record (a restart). Past it, the exit is judged without that answer.
+FINAL_RECORD_WAIT_SECONDS = 60.0
 
 JobKey = tuple[str, str]  # (namespace, name)
+CREATED, TAKEN, FAILED = "created", "taken", "failed"  # outcomes of one create
 
 
 def utcnow() -> datetime:
@@ -62,6 +66,11 @@ class Reconciler:
         self._instance = socket.gethostname()
         self._failure_events: dict[tuple[str, str, str, str, int], float] = {}
         self._creators = ThreadPoolExecutor(max_workers=8, thread_name_prefix="create")
+        # The step followers' read progress (StepWatchers.stream_progress), wired when they start.
+        self.stream_progress: Callable[[str, str], StreamProgress | None] | None = None
+        self._exits_seen: dict[
+            str, float
+        ] = {}  # job uid -> when a pod exit awaiting the final record was seen
 
     # Entry points ----------------------------------------------------------------------------------------
 
@@ -122,6 +131,7 @@ class Reconciler:
                 uid = self._uids.pop(key, None)
             if uid is not None:
                 self.known.forget(uid)
+                self._exits_seen.pop(uid, None)
             self.queue.forget(key)
             metrics.forget_job(namespace, name)
             return
@@ -146,7 +156,7 @@ class Reconciler:
         if previous is not None and previous != job.ref.uid:
             self.known.forget(previous)  # re-created under the same name
         status = body.get("status") or {}
-        observed = self._observe(job, status)
+        observed = self._final_record(job, status, self._observe(job, status))
         plan = decide(job, status, observed, self.clock(), self.config, secrets.token_urlsafe(32))
         return self._execute(job, body, plan)
 
@@ -169,31 +179,59 @@ class Reconciler:
         # creating them and writing status. Create without looking first; a 409 means it exists, and the
         # next pass reads it (saves a read per child, and a 404 in the API server's error counts).
         new_job = not status
+        # Names a create found taken (409): read until they are ours or gone. An object of a child's name
+        # that is not the job's becomes a condition (ForeignChild), never counts as the child.
+        conflicts = self.known.conflicts(uid)
+        foreign: list[ForeignChild] = []
         if job.spec.meta_store.mode == "Managed":
             wanted += [
                 (kube.SECRETS, "Secret", names.metastore_secret(name)),
                 (kube.SERVICES, "Service", names.metastore(name)),
                 (kube.NETWORK_POLICIES, "NetworkPolicy", names.metastore(name)),
             ]
-            deployment = None if new_job else self.api.get(kube.DEPLOYMENTS, ns, names.metastore(name))
+            key = f"Deployment/{names.metastore(name)}"
+            deployment = (
+                None
+                if new_job and key not in conflicts
+                else self.api.get(kube.DEPLOYMENTS, ns, names.metastore(name))
+            )
             if deployment is not None and _is_owned(deployment, uid):
-                children.add(f"Deployment/{names.metastore(name)}")
+                children.add(key)
                 metastore_ready = int((deployment.get("status") or {}).get("readyReplicas") or 0) >= 1
+            elif deployment is not None:
+                foreign.append(ForeignChild.from_body(key, deployment))
+            if key in conflicts and (deployment is None or key in children):
+                self.known.resolved(uid, key)
         else:
             external_found = self._external_secret_found(job)
         known = self.known.children(uid)
         seen: set[str] = set()
         for kind, kind_name, child in wanted:
             key = f"{kind_name}/{child}"
-            if key in known:
+            if key in known and key not in conflicts:
                 children.add(key)
                 continue
-            if new_job:
+            if new_job and key not in conflicts:
                 continue
             # Metadata only: existence and owner are all we need, and a Secret's data never enters memory.
             meta = self.api.get(kind, ns, child, metadata_only=True)
             if meta is not None and _is_owned(meta, uid):
                 seen.add(key)
+            elif meta is not None:
+                foreign.append(ForeignChild.from_body(key, meta))
+            if key in conflicts and key not in {f.key for f in foreign}:
+                self.known.resolved(uid, key)
+        for key in sorted(c for c in conflicts if c.startswith("Pod/")):
+            pod_name = key.removeprefix("Pod/")
+            meta = (
+                None
+                if any(p.name == pod_name and p.owned for p in pods)
+                else self.api.get(kube.PODS, ns, pod_name, metadata_only=True)
+            )
+            if meta is not None and not _is_owned(meta, uid):
+                foreign.append(ForeignChild.from_body(key, meta))
+            else:
+                self.known.resolved(uid, key)
         children |= seen
         self.known.saw_children(uid, seen)
         device_class_found: bool | None = None
@@ -211,15 +249,47 @@ class Reconciler:
         return Observed(
             pods=pods,
             children=frozenset(children),
+            foreign=tuple(foreign),
             metastore_ready=metastore_ready,
             external_secret_found=external_found,
             device_class_found=device_class_found,
             claims=claims,
         )
 
+    def _final_record(self, job: ColocateJob, status: dict[str, Any], observed: Observed) -> Observed:
+        """The catch-up barrier (M4): before a pod's exit counts as one without the final record, the step
+        follower must have read the stream to its end after the exit was seen. The follower may lag behind
+        status: a restarted operator replays the stream, a refused status write waits 10 s."""
+        uid, restarts = job.ref.uid, int(status.get("restarts") or 0)
+        exits = [
+            pod
+            for pod in observed.pods
+            if pod.owned and pod.restart == restarts and pod.phase in ("Succeeded", "Failed")
+        ]
+        recorded = bool((status.get("weightSync") or {}).get("finalStepRecorded"))
+        if not exits or recorded or status.get("phase") in Phase.TERMINAL:
+            self._exits_seen.pop(uid, None)
+            return observed
+        now = time.time()
+        since = self._exits_seen.setdefault(uid, now)
+        progress = self.stream_progress(job.ref.namespace, job.ref.name) if self.stream_progress else None
+        if progress is not None and progress.final:
+            return replace(observed, final_record=True)
+        if progress is not None and progress.caught_up_at >= since:
+            return replace(observed, final_record=False)
+        # Worth waiting for: a follower that is reading (it will catch up), or any exit with code 0 (the
+        # follower of a restarted operator may not have connected yet). A failed pod with no follower
+        # reading is a failure at once.
+        live = progress is not None and progress.caught_up_at > 0
+        exited_ok = any(pod.phase == "Succeeded" for pod in exits)
+        pending = now - since < FINAL_RECORD_WAIT_SECONDS and (live or exited_ok)
+        return replace(observed, final_record_pending=pending)
+
     def _external_secret_found(self, job: ColocateJob) -> bool | None:
         external = job.spec.meta_store.external
         assert external is not None
+        if not self.config.external_metastore_allow.allows(external.address):
+            return None  # refused (decide says so): its Secret is not read at all
         ref = external.password_secret_ref
         fact = f"ExternalSecret/{ref.name}/{ref.key}"
         if fact in self.known.children(job.ref.uid):
@@ -257,6 +327,12 @@ class Reconciler:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
             if deleted:
                 log.info("deleted pod", extra={"job": f"{ns}/{job.ref.name}", "pod": pod.name})
+        for pod in plan.force_deletes:
+            if self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid, grace_seconds=0):
+                log.warning(
+                    "force-deleted a pod stuck terminating",
+                    extra={"job": f"{ns}/{job.ref.name}", "pod": pod.name},
+                )
         if patch and not self._write_status(job, body, patch):
             return 0.5
         for event in plan.events:
@@ -271,22 +347,31 @@ class Reconciler:
         return None
 
     def _create_all(self, job: ColocateJob, manifests: tuple[dict[str, Any], ...]) -> int:
-        """Create in two waves, each in parallel: the other children (a pod may reference the Secret), then
-        the pods. A job's first pass is a dozen requests; in sequence they are most of its latency."""
-        if self.config.create_delay_seconds:  # fault injection needs a predictable order
-            return sum(not self._create(job, m) for m in manifests)
+        """Create in three waves, each in parallel: the Secret, the other children, the pods. A job's first
+        pass is a dozen requests; in sequence they are most of its latency. A name found taken (409) holds
+        back what depends on it: the Secret's holds back Redis (which mounts it) and the pods (which read
+        it), any other child's the pods (which would dial whatever holds the meta-store's name); the next
+        pass reads the name and tells our own object from someone else's. Returns the failed creates."""
         failed = 0
+        held: set[str] = set()
         for wave in (
-            [m for m in manifests if m["kind"] != "Pod"],
-            [m for m in manifests if m["kind"] == "Pod"],
+            [m for m in manifests if m["kind"] == "Secret"],
+            [m for m in manifests if m["kind"] not in ("Secret", "Pod") and m["kind"] not in held],
+            [m for m in manifests if m["kind"] == "Pod" and "Pod" not in held],
         ):
-            if len(wave) == 1:
-                failed += not self._create(job, wave[0])
-            elif wave:
-                failed += sum(not ok for ok in self._creators.map(lambda m: self._create(job, m), wave))
+            if self.config.create_delay_seconds or len(wave) <= 1:  # fault injection: a predictable order
+                outcomes = [self._create(job, m) for m in wave]
+            else:
+                outcomes = list(self._creators.map(lambda m: self._create(job, m), wave))
+            failed += outcomes.count(FAILED)
+            for manifest, outcome in zip(wave, outcomes, strict=True):
+                if outcome == TAKEN and manifest["kind"] == "Secret":
+                    held |= {"Deployment", "Pod"}
+                elif outcome == TAKEN and manifest["kind"] != "Pod":
+                    held.add("Pod")
         return failed
 
-    def _create(self, job: ColocateJob, manifest: dict[str, Any]) -> bool:
+    def _create(self, job: ColocateJob, manifest: dict[str, Any]) -> str:
         ns, kind = job.ref.namespace, manifest["kind"]
         what = {"job": f"{ns}/{job.ref.name}", "kind": kind, "child": manifest["metadata"]["name"]}
         if kind == "Pod" and self.config.create_delay_seconds:
@@ -296,13 +381,13 @@ class Reconciler:
         except kube.KubeError as e:
             if e.status == 409:
                 # Made by an earlier pass, or someone else's object of that name (or an old one still
-                # terminating): the next pass reads it and tells them apart.
-                self.known.lost_child(job.ref.uid, f"{kind}/{manifest['metadata']['name']}")
-                return True
+                # terminating): the next passes read it and tell them apart.
+                self.known.conflict(job.ref.uid, f"{kind}/{manifest['metadata']['name']}")
+                return TAKEN
             log.warning("create failed: %s", e, extra=what)
             key = (ns, job.ref.name, kind, manifest["metadata"]["name"], e.status)
             if time.monotonic() - self._failure_events.get(key, -EVENT_REPEAT_SECONDS) < EVENT_REPEAT_SECONDS:
-                return False  # the same failure was reported recently: retried, but not re-posted
+                return FAILED  # the same failure was reported recently: retried, but not re-posted
             self._failure_events[key] = time.monotonic()
             self._post_event(
                 {
@@ -312,11 +397,11 @@ class Reconciler:
                 },
                 EventSpec("Warning", "FailedToCreate", f"{kind} {manifest['metadata']['name']}: {e.message}"),
             )
-            return False
+            return FAILED
         log.info("created", extra=what)
         if kind != "Pod":
             self.known.saw_children(job.ref.uid, [f"{kind}/{manifest['metadata']['name']}"])
-        return True
+        return CREATED
 
     def _write_status(self, job: ColocateJob, body: dict[str, Any], patch: dict[str, Any]) -> bool:
         resource_version = body["metadata"].get("resourceVersion")

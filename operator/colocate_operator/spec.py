@@ -124,6 +124,7 @@ class SchedulingSpec(_Model):
     priority_class_name: str | None = None
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
+    placement_timeout_seconds: int = 300
 
 
 class ColocateJobSpec(_Model):

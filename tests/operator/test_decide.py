@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from colocate_operator import conditions
+from colocate_operator import conditions, names
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import Cond, Phase, Reason
 from colocate_operator.decide import Plan, decide, restart_delay, status_patch
-from colocate_operator.observed import ClaimState, Observed, PodState
+from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState
 from colocate_operator.spec import ColocateJob
 from tests.operator import factories
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = OperatorConfig()
 INFRA = frozenset(
     {
@@ -485,7 +488,8 @@ def test_decisions_converge(status: dict[str, Any], observed: Observed, job_over
     posts no second event for the same transition."""
     job = factories.job(**job_override)
     first = run(status, observed, job)
-    applied = status | first.status
+    # As the API server applies the merge patch: a null removes the key.
+    applied = {k: v for k, v in (status | status_patch(status, first.status)).items() if v is not None}
     second = run(applied, observed, job, now=NOW + timedelta(seconds=1))
     if first.status["restarts"] == status.get("restarts", 0):
         assert status_patch(applied, second.status) == {}
@@ -580,3 +584,272 @@ def test_ipc_preflight_fails_the_job_only_in_fail_mode_on_a_failure(
     job = factories.job(weightSync={"ipcPreflight": {"mode": mode}})
     plan = run(ipc_status(status, reason), running_observed(), job)
     assert plan.status["phase"] == Phase.RUNNING
+
+
+# Children belong to their job (M2, M3, L3) ----------------------------------------------------------------
+
+
+def taken(key: str, owner: str = "ColocateJob demo-metastore", deleting: bool = False) -> ForeignChild:
+    return ForeignChild(key, owner, deleting)
+
+
+def test_a_foreign_object_with_a_childs_name_is_a_condition_not_success() -> None:
+    foreign = taken("Service/demo-metastore")
+    observed = Observed(
+        children=INFRA - {"Service/demo-metastore"},
+        foreign=(foreign,),
+        metastore_ready=True,
+        device_class_found=True,
+    )
+    plan = run({"phase": Phase.PENDING, "restarts": 0, "startTime": ts(-5)}, observed)
+    assert "demo-metastore" not in created(plan, "Service"), "never created over someone else's object"
+    assert created(plan, "Pod") == [], "pods would dial the other object and send it the password"
+    meta = cond(plan, Cond.META_STORE_READY)
+    assert (meta["status"], meta["reason"]) == ("False", Reason.NAME_TAKEN)
+    assert "Service ns/demo-metastore exists, owned by ColocateJob demo-metastore" in meta["message"]
+    pods_ready = cond(plan, Cond.PODS_READY)
+    assert (pods_ready["reason"], "Service ns/demo-metastore" in pods_ready["message"]) == (
+        Reason.NAME_TAKEN,
+        True,
+    )
+    assert plan.status["phase"] == Phase.PENDING
+    assert reasons(plan) == [Reason.NAME_TAKEN]
+    assert plan.requeue_after is not None and plan.requeue_after >= 10, "no 1 Hz loop"
+    again = run(plan.status, observed)
+    assert reasons(again) == [], "the Warning is posted once, not on every pass"
+    assert status_patch(plan.status, again.status) == {}
+
+
+def test_a_foreign_pod_with_a_pods_name_stops_pod_creation_without_an_event_loop() -> None:
+    observed = Observed(
+        pods=(pod(0),),
+        children=INFRA,
+        foreign=(taken("Pod/demo-1", owner=""),),
+        metastore_ready=True,
+        claims=claims(0),
+        device_class_found=True,
+    )
+    plan = run({"phase": Phase.PENDING, "restarts": 0, "groupCreated": False, "startTime": ts(-5)}, observed)
+    assert created(plan, "Pod") == []
+    assert Reason.CREATED_PODS not in reasons(plan)
+    pods_ready = cond(plan, Cond.PODS_READY)
+    assert pods_ready["reason"] == Reason.NAME_TAKEN
+    assert "Pod ns/demo-1 exists, not owned by this job" in pods_ready["message"]
+    assert plan.requeue_after is not None and plan.requeue_after >= 10
+
+
+def test_redis_and_pods_wait_for_this_jobs_own_secret() -> None:
+    """Re-created under the same name while the predecessor's Secret is still being collected (M3): neither
+    Redis (which mounts it) nor the pods (which read it) may start on the old password."""
+    old_secret = taken("Secret/demo-metastore-auth", owner="ColocateJob demo", deleting=True)
+    observed = Observed(foreign=(old_secret,), device_class_found=True)
+    plan = run({"phase": Phase.PENDING, "restarts": 0}, observed)
+    kinds = [m["kind"] for m in plan.creates]
+    assert "Secret" not in kinds and "Deployment" not in kinds and "Pod" not in kinds
+    assert "(being deleted)" in cond(plan, Cond.META_STORE_READY)["message"]
+    # Once it is gone, the Secret, Redis and the pods come in one pass (the executor creates the Secret
+    # first and holds Redis and the pods back if that create is refused).
+    gone = run(plan.status, Observed(device_class_found=True))
+    assert [m["kind"] for m in gone.creates][:2] == ["Secret", "Deployment"]
+    assert created(gone, "Pod") == ["demo-0", "demo-1"]
+
+
+def test_no_two_jobs_share_a_child_name() -> None:
+    """Every child of every pair of job names the CRD admits is distinct; without the reserved suffix,
+    job `x-metastore` would take job `x`'s Redis Service."""
+    import itertools
+
+    bases = ["x", "x-0", "x-1", "x-gpus", "x-workers", "x-metastore-auth", "a-b", "a", "b-1-0", "x-10"]
+    candidates = bases + [f"{b}-metastore" for b in bases]
+    admitted = [n for n in candidates if not n.endswith(names.RESERVED_SUFFIXES)]
+    assert "x-metastore" not in admitted
+    for a, b in itertools.combinations(admitted, 2):
+        clash = set(names.children(a, 12)) & set(names.children(b, 12))
+        assert not clash, (a, b, clash)
+    assert set(names.children("x", 2)) & set(names.children("x-metastore", 2)) == {("Service", "x-metastore")}
+    crd = (ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml").read_text()
+    for suffix in names.RESERVED_SUFFIXES:
+        assert f"!self.metadata.name.endsWith('{suffix}')" in crd
+
+
+# A finished training is never restarted (M4) ---------------------------------------------------------------
+
+
+def test_the_followers_final_record_succeeds_the_job_before_status_has_it() -> None:
+    done = (pod(0, phase="Succeeded"), pod(1, phase="Succeeded"))
+    observed = Observed(pods=done, children=INFRA, metastore_ready=True, final_record=True)
+    plan = run(running_status(), observed)
+    assert plan.status["phase"] == Phase.SUCCEEDED
+    assert plan.status["restarts"] == 0 and plan.deletes == ()
+
+
+def test_an_exit_waits_for_the_follower_to_read_the_stream() -> None:
+    exited = (pod(0, phase="Succeeded"), pod(1))
+    observed = Observed(pods=exited, children=INFRA, metastore_ready=True, final_record_pending=True)
+    plan = run(running_status(), observed)
+    assert plan.status["restarts"] == 0 and plan.deletes == () and not plan.persist_first
+    pods_ready = cond(plan, Cond.PODS_READY)
+    assert (pods_ready["status"], pods_ready["reason"]) == ("False", Reason.WAITING_FOR_FINAL_RECORD)
+    assert "demo-0" in pods_ready["message"]
+    assert plan.requeue_after == pytest.approx(1.0)
+    # The follower read to the end after the exit and found no final record: that is a failure.
+    read = Observed(pods=exited, children=INFRA, metastore_ready=True, final_record=False)
+    restart = run(running_status(), read)
+    assert cond(restart, Cond.RESTARTING)["reason"] == Reason.POD_EXITED_WITHOUT_FINAL_STEP
+    assert "could not be read" not in cond(restart, Cond.RESTARTING)["message"]
+
+
+@pytest.mark.parametrize(
+    "after_final",
+    [
+        (pod(0, phase="Succeeded"), pod(1, phase="Failed", reason="Error")),
+        (pod(0, phase="Failed", reason="Error"), pod(1, phase="Failed", reason="Error")),
+        (pod(0, phase="Succeeded"),),  # the other one deleted after the final record
+    ],
+    ids=["one-failed", "both-failed", "one-gone"],
+)
+def test_pods_failing_after_the_final_record_do_not_restart_a_finished_run(
+    after_final: tuple[PodState, ...],
+) -> None:
+    observed = Observed(pods=after_final, children=INFRA, metastore_ready=True)
+    plan = run(running_status(weightSync={"finalStepRecorded": True}), observed)
+    assert plan.status["restarts"] == 0
+    assert plan.status["phase"] == Phase.SUCCEEDED
+    assert plan.creates == () and plan.deletes == ()
+
+
+def test_a_pod_failing_after_the_final_record_while_another_runs_waits() -> None:
+    observed = Observed(
+        pods=(pod(0), pod(1, phase="Failed", reason="Error")), children=INFRA, metastore_ready=True
+    )
+    plan = run(running_status(weightSync={"finalStepRecorded": True}), observed)
+    assert plan.status["restarts"] == 0 and plan.deletes == ()
+    assert plan.status["phase"] != Phase.SUCCEEDED
+
+
+# Stuck states (M8, L5) ------------------------------------------------------------------------------------
+
+
+def stuck(index: int, past_grace: float, restart: int = 0) -> PodState:
+    return replace(
+        pod(index, restart), deleting=True, delete_by=NOW - timedelta(seconds=past_grace), node="gpu-node-3"
+    )
+
+
+def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_after_a_grace_period() -> None:
+    status = running_status(restarts=1, groupCreated=False, phase=Phase.RESTARTING, lastRestartTime=ts(-300))
+    waiting = Observed(pods=(stuck(1, 30),), children=INFRA, metastore_ready=True, device_class_found=True)
+    plan = run(status, waiting)
+    assert plan.force_deletes == ()
+    old = cond(plan, Cond.PODS_READY)
+    assert old["reason"] == Reason.WAITING_FOR_OLD_PODS
+    assert "demo-1 on node gpu-node-3 is past its grace period" in old["message"]
+    assert ts(CONFIG.force_delete_after_seconds - 30) in old["message"]
+    assert plan.requeue_after == pytest.approx(1.0)
+
+    due = Observed(
+        pods=(stuck(1, CONFIG.force_delete_after_seconds),),
+        children=INFRA,
+        metastore_ready=True,
+        device_class_found=True,
+    )
+    plan = run(status, due)
+    assert [d.name for d in plan.force_deletes] == ["demo-1"]
+    assert Reason.FORCE_DELETED_POD in reasons(plan)
+    event = next(e for e in plan.events if e.reason == Reason.FORCE_DELETED_POD)
+    assert "gpu-node-3" in event.message and "grace period 0" in event.message
+
+
+def test_force_deletion_wakes_the_reconciler_when_due_even_for_a_finished_job() -> None:
+    status = {"phase": Phase.FAILED, "completionTime": ts(-10), "restarts": 0}
+    plan = run(status, Observed(pods=(stuck(0, 100),), children=INFRA))
+    assert plan.force_deletes == ()
+    assert plan.requeue_after == pytest.approx(CONFIG.force_delete_after_seconds - 100)
+
+
+def test_suspend_pauses_the_active_deadline() -> None:
+    job = factories.job(suspend=True, runPolicy={"activeDeadlineSeconds": 600})
+    suspended = run(running_status(startTime=ts(-500)), running_observed(), job)
+    assert "startTime" not in suspended.status
+    assert status_patch(running_status(startTime=ts(-500)), suspended.status)["startTime"] is None
+    # Resumed an hour later: no DeadlineExceeded; the deadline counts again from the new pods.
+    resumed_job = factories.job(runPolicy={"activeDeadlineSeconds": 600})
+    later = NOW + timedelta(hours=1)
+    resumed = run(
+        suspended.status,
+        Observed(children=INFRA, metastore_ready=True, device_class_found=True),
+        resumed_job,
+        now=later,
+    )
+    assert resumed.status["phase"] != Phase.FAILED
+    assert resumed.status["startTime"] == conditions.timestamp(later)
+    assert created(resumed, "Pod") == ["demo-0", "demo-1"]
+
+
+def test_backoff_above_the_operators_cap_is_said() -> None:
+    job = factories.job(runPolicy={"backoffSeconds": 3600})
+    failed = Observed(pods=(pod(0), pod(1, phase="Failed")), children=INFRA, metastore_ready=True)
+    plan = run(running_status(), failed, job)
+    assert (
+        "backoffSeconds=3600 is above the operator's cap of 300 s" in cond(plan, Cond.RESTARTING)["message"]
+    )
+    status = running_status(restarts=1, groupCreated=False, phase=Phase.RESTARTING, lastRestartTime=ts(-10))
+    waiting = run(status, Observed(children=INFRA, metastore_ready=True, device_class_found=True), job)
+    backoff = cond(waiting, Cond.PODS_READY)
+    assert backoff["reason"] == Reason.WAITING_FOR_BACKOFF
+    assert "cap of 300 s" in backoff["message"] and ts(290) in backoff["message"]
+    within = run(status, Observed(children=INFRA, metastore_ready=True, device_class_found=True))
+    assert "cap" not in cond(within, Cond.PODS_READY)["message"]
+
+
+# A job that cannot run says why (11) ----------------------------------------------------------------------
+
+SCHEDULER = "0/5 nodes are available: 1 Insufficient nvidia.com/gpu, 4 node(s) didn't match pod anti-affinity"
+
+
+def unplaced(index: int, created_ago: float = 10) -> PodState:
+    return replace(
+        pod(index, phase="Pending"), unschedulable=SCHEDULER, created=NOW - timedelta(seconds=created_ago)
+    )
+
+
+def placed(index: int, created_ago: float = 10) -> PodState:
+    return replace(pod(index), created=NOW - timedelta(seconds=created_ago))
+
+
+def test_unschedulable_pods_carry_the_schedulers_reason() -> None:
+    observed = Observed(pods=(unplaced(0), unplaced(1)), children=INFRA, metastore_ready=True)
+    plan = run(running_status(), observed)
+    allocated = cond(plan, Cond.RESOURCES_ALLOCATED)
+    assert (allocated["status"], allocated["reason"]) == ("False", Reason.UNSCHEDULABLE)
+    assert allocated["message"] == f"0/2 pods scheduled; pod demo-0 (and 1 more): {SCHEDULER}"
+    assert SCHEDULER in cond(plan, Cond.PODS_READY)["message"]
+    # Nothing is placed, so nothing is held: no placement timeout, however long it waits.
+    much_later = run(running_status(), observed, now=NOW + timedelta(days=1))
+    assert much_later.status["restarts"] == 0 and much_later.deletes == ()
+
+
+def test_a_partly_placed_gang_gives_its_gpus_back_after_the_placement_timeout() -> None:
+    job = factories.job(scheduling={"placementTimeoutSeconds": 120})
+    observed = Observed(
+        pods=(placed(0, 100), unplaced(1, 100)), children=INFRA, metastore_ready=True, claims=claims(0)
+    )
+    early = run(running_status(), observed, job)
+    assert early.status["restarts"] == 0 and early.deletes == ()
+    assert early.requeue_after == pytest.approx(20)
+
+    late = run(running_status(), observed, job, now=NOW + timedelta(seconds=20))
+    assert late.status["restarts"] == 1 and {d.name for d in late.deletes} == {"demo-0", "demo-1"}
+    restarting = cond(late, Cond.RESTARTING)
+    assert restarting["reason"] == Reason.PLACEMENT_TIMEOUT
+    assert (
+        "only 1/2 pods were placed within spec.scheduling.placementTimeoutSeconds=120"
+        in restarting["message"]
+    )
+    assert SCHEDULER in restarting["message"]
+
+    out_of_restarts = factories.job(scheduling={"placementTimeoutSeconds": 120}, runPolicy={"maxRestarts": 0})
+    failed = run(running_status(), observed, out_of_restarts, now=NOW + timedelta(seconds=20))
+    assert failed.status["phase"] == Phase.FAILED
+    assert "give their GPUs back" in cond(failed, Cond.FAILED)["message"]
+    assert [d.name for d in failed.deletes] == ["demo-0", "demo-1"], "the placed pod's GPUs are freed"
