@@ -13,22 +13,25 @@ import asyncio
 import base64
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
+from urllib3.exceptions import HTTPError
 
 from colocate_operator import conditions, kube, metrics
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import GROUP, PLURAL, VERSION
 from colocate_operator.kube_events import post_event
 from colocate_operator.metastore import endpoint
+from colocate_operator.observed import StreamProgress
 from colocate_operator.spec import ColocateJob
 from colocate_operator.steps import StepTracker, step_conditions
-from colocate_runtime.colocated.events import EventError, decode, stream_key
+from colocate_runtime.colocated.events import STREAM_MAXLEN, EventError, decode, stream_key
 
 log = logging.getLogger("colocate_operator.steps")
 
@@ -43,6 +46,9 @@ SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often
 MAX_BACKOFF = 30.0
 WRITE_RETRY_SECONDS = 10.0
 CONFLICT_RETRY_SECONDS = 1.0
+SKIP_EVENT_INTERVAL = 60.0  # skipped entries reach the job as one Event per job at most this often
+EVENT_MESSAGE_MAX_CHARS = 1024
+TRIM_EVERY = 1000  # entries read between two XTRIMs
 
 
 class JobGone(Exception):
@@ -104,18 +110,40 @@ def write_status(
     return False
 
 
-async def follow(namespace: str, name: str, api: kube.Kube, config: OperatorConfig) -> None:
-    """Follow one job's stream until cancelled (job deleted or operator exiting) or the job is gone."""
+async def follow(
+    namespace: str,
+    name: str,
+    api: kube.Kube,
+    config: OperatorConfig,
+    *,
+    on_tracker: Callable[[StepTracker], None] | None = None,
+    progress: StreamProgress | None = None,
+) -> None:
+    """Follow one job's stream until cancelled (job deleted or operator exiting) or the job is gone.
+
+    The stream is untrusted input (any container of the job writes it): an entry that does not decode, or
+    whatever else one entry raises, is skipped and counted, and the count reaches the job as one rate-limited
+    Event. The stream is trimmed to STREAM_MAXLEN when the follower connects and as it reads, so neither
+    Redis nor a replay from the start grows with what a writer that ignores MAXLEN appends. `on_tracker`
+    sees the tracker once it exists (tests measure its state)."""
     body = await asyncio.to_thread(api.get, kube.COLOCATE_JOBS, namespace, name)
     if body is None:
         return
+    uid = body["metadata"].get("uid")
     job = ColocateJob.from_body(body)
     store = endpoint(job, config)
+    if not store.allowed:  # never send the job's password to an address the operator may not dial
+        log.warning("not following the steps of %s/%s: %s", namespace, name, store.refusal())
+        return
     sync = job.spec.weight_sync
     tracker = StepTracker(expected_gpus=job.spec.world_size, history_limit=sync.history_limit)
     tracker.last_progress_ts = time.time()  # the progress deadline counts from when we start watching
+    if on_tracker is not None:
+        on_tracker(tracker)
     key = stream_key(namespace, name)
     writes = _Writes()
+    skips = _Skips()
+    trim = _Trim()
     backoff = 1.0
     client: aioredis.Redis | None = None
     last_id = "0-0"
@@ -134,52 +162,119 @@ async def follow(namespace: str, name: str, api: kube.Kube, config: OperatorConf
                         socket_timeout=READ_BLOCK_MAX_SECONDS + 5,
                         socket_connect_timeout=5,
                     )
+                    trim.unread = TRIM_EVERY  # trim before a replay from the start
+                await trim.maybe(client, key, namespace, name)
                 block = block_seconds(tracker, writes, sync.progress_deadline_seconds, time.time())
+                issued = time.time()
                 reply = await client.xread({key: last_id}, count=READ_COUNT, block=round(block * 1000))
                 backoff = 1.0
-            except (RedisError, OSError, LookupError, ValueError, kube.KubeError) as e:
+            except (RedisError, OSError, LookupError, ValueError, kube.KubeError, HTTPError) as e:
                 log.warning(
                     "step stream of %s/%s unavailable, retrying in %.0f s: %s",
                     namespace,
                     name,
                     backoff,
-                    type(e).__name__ if isinstance(e, RedisError) else e,
+                    type(e).__name__ if isinstance(e, RedisError | HTTPError) else e,
                 )
                 if client is not None:
                     await client.aclose()
                     client = None
+                if await asyncio.to_thread(_job_gone, api, namespace, name, uid):
+                    log.info("step follower of %s/%s stops: the job is gone", namespace, name)
+                    return  # deleted while no watch event could stop us (L8)
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 continue
             boundary = False
             for _stream, entries in reply or []:
+                trim.unread += len(entries)
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                     try:
                         event = decode(fields)
-                    except EventError as e:
-                        log.warning("skipping a malformed step event of %s/%s: %s", namespace, name, e)
-                        continue
-                    before = (tracker.last_completed_step, len(tracker.recent))
-                    if tracker.observe(event):
-                        boundary = True
-                        _record_metrics(namespace, name, tracker, before)
+                        before = (tracker.last_completed_step, len(tracker.recent))
+                        if tracker.observe(event):
+                            boundary = True
+                            _record_metrics(namespace, name, tracker, before)
+                    except Exception as e:  # one entry never stops the follower, whatever it holds
+                        skips.count += 1
+                        skips.last = str(e) if isinstance(e, EventError) else type(e).__name__
+            if progress is not None:  # the reconciler's catch-up barrier before a pod exit counts as failure
+                progress.final = tracker.final_result is not None
+                if sum(len(entries) for _stream, entries in reply or []) < READ_COUNT:
+                    progress.caught_up_at = issued  # everything added before `issued` has been read
             try:
+                await asyncio.to_thread(_report_skips, api, body, tracker, skips, time.time())
                 await _maybe_write(api, body, tracker, writes, boundary, sync.progress_deadline_seconds)
             except JobGone:
                 return
-            except kube.KubeError as e:
+            except Exception as e:  # refused (KubeError) or the apiserver unreachable: retry, never die
                 writes.retry_at = time.time() + WRITE_RETRY_SECONDS
                 log.warning(
                     "writing step status of %s/%s failed, retrying in %.0f s: %s",
                     namespace,
                     name,
                     WRITE_RETRY_SECONDS,
-                    e,
+                    e if isinstance(e, kube.KubeError) else type(e).__name__,
                 )
     finally:
         if client is not None:
             await client.aclose()
+
+
+def _job_gone(api: kube.Kube, namespace: str, name: str, uid: str | None) -> bool:
+    """The job was deleted (or deleted and created again: the new one gets its own follower)."""
+    try:
+        body = api.get(kube.COLOCATE_JOBS, namespace, name, metadata_only=True)
+    except (kube.KubeError, HTTPError, OSError):
+        return False  # cannot tell: keep following
+    return body is None or body["metadata"].get("uid") != uid
+
+
+@dataclass
+class _Skips:
+    """Entries skipped and GPUs/steps dropped, reported as one Event at most every SKIP_EVENT_INTERVAL."""
+
+    count: int = 0
+    last: str = ""
+    reported_count: int = 0
+    reported_dropped: int = 0
+    last_event: float = float("-inf")
+
+
+def _report_skips(
+    api: kube.Kube, body: dict[str, Any], tracker: StepTracker, skips: _Skips, now: float
+) -> None:
+    skipped, dropped = skips.count - skips.reported_count, tracker.dropped - skips.reported_dropped
+    if not (skipped or dropped) or now - skips.last_event < SKIP_EVENT_INTERVAL:
+        return
+    parts = []
+    if skipped:
+        parts.append(f"skipped {skipped} step-stream entries that are not step events (last: {skips.last})")
+    if dropped:
+        parts.append(f"let go of {dropped} GPUs or unfinished steps beyond the follower's bounds")
+    post_event(api, body, "Warning", "StepStreamUntrusted", "; ".join(parts)[:EVENT_MESSAGE_MAX_CHARS])
+    skips.reported_count, skips.reported_dropped, skips.last_event = skips.count, tracker.dropped, now
+
+
+@dataclass
+class _Trim:
+    """XTRIM MAXLEN ~ STREAM_MAXLEN every TRIM_EVERY entries read: the writers cap the stream themselves,
+    but a writer that does not must not grow Redis or the next replay. A store that refuses XTRIM (an
+    External one with a restricted user) is followed untrimmed."""
+
+    unread: int = 0
+    refused: bool = False
+
+    async def maybe(self, client: aioredis.Redis, key: str, namespace: str, name: str) -> None:
+        if self.refused or self.unread < TRIM_EVERY:
+            return
+        self.unread = 0
+        try:
+            await client.xtrim(key, maxlen=STREAM_MAXLEN, approximate=True)
+        except ResponseError as e:
+            self.refused = True
+            log.warning("the meta-store of %s/%s refuses XTRIM, not trimming: %s", namespace, name, e)
 
 
 def block_seconds(tracker: StepTracker, writes: _Writes, deadline: float, now: float) -> float:
@@ -250,7 +345,8 @@ def _post_step_events(
     if posted == writes.last_posted:
         return
     if newest.result == "Failed":
-        post_event(api, body, "Warning", "StepFailed", f"step {newest.step}: {newest.message}")
+        message = f"step {newest.step}: {newest.message}"[:EVENT_MESSAGE_MAX_CHARS]
+        post_event(api, body, "Warning", "StepFailed", message)
     elif now - writes.last_success_event >= SUCCESS_EVENT_INTERVAL:
         post_event(
             api,
@@ -276,9 +372,14 @@ class StepWatchers:
         self.api = api
         self.config = config
         self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._progress: dict[tuple[str, str], StreamProgress] = {}
 
     def __len__(self) -> int:
         return len(self._running)
+
+    def stream_progress(self, namespace: str, name: str) -> StreamProgress | None:
+        """How far the job's follower has read (any thread may ask: the reconciler's workers do)."""
+        return self._progress.get((namespace, name))
 
     def ensure(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -302,13 +403,15 @@ class StepWatchers:
 
     async def _run(self, namespace: str, name: str) -> None:
         try:
-            await follow(namespace, name, self.api, self.config)
+            progress = self._progress.setdefault((namespace, name), StreamProgress())
+            await follow(namespace, name, self.api, self.config, progress=progress)
         except Exception:
             log.exception(
                 "step follower of %s/%s crashed; its next watch event starts it again", namespace, name
             )
         finally:
             self._running.pop((namespace, name), None)
+            self._progress.pop((namespace, name), None)
             metrics.forget_job(namespace, name)
 
 
@@ -319,6 +422,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def job_event(event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
         if "step_watchers" not in memo:
             memo.step_watchers = StepWatchers(memo.reconciler.api, config)
+            memo.reconciler.stream_progress = memo.step_watchers.stream_progress
         if event.get("type") == "DELETED":
             memo.step_watchers.stop(namespace, name)
         else:
