@@ -4,7 +4,14 @@ DRA: an operator-owned ResourceClaimTemplate; each pod gets one claim from it (n
 pod.spec.resourceClaims) and both containers list that claim, which gives them the same devices.
 DevicePlugin: the device plugin allocates per container, so only the trainer can request GPUs; the rollout
 container sees the node's GPUs through NVIDIA_VISIBLE_DEVICES=all and the runtime narrows to the trainer's
-devices by UUID. That gives up isolation: it is safe only when the job owns whole nodes.
+devices by UUID. That gives up isolation, so it is meant for whole nodes: when gpusPerNode is the node's GPU
+count the trainer holds every GPU of the node, the scheduler places no other GPU pod there, and `all` is
+exactly the trainer's set (pin such nodes with scheduling.nodeSelector, e.g. GPU feature discovery's
+nvidia.com/gpu.count). With fewer, the rollout container can reach GPUs allocated to other pods: use DRA.
+There is no per-container alternative: the device plugin hands a device to one container only.
+
+Nothing else sets NVIDIA_VISIBLE_DEVICES: the CRD refuses it in user env (where the container toolkit
+honours it for unprivileged containers it would widen a container's GPUs), and pods.py drops it as well.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ Optional, with defaults:
 | `COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS` | `60` | one preflight attempt; no answer in it: `PeerTimeout` |
 | `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `900` | `Wait` mode gives up (raises) after this long; `0`: never |
 
-Set by the user, not the operator (both containers, from a Secret): `SGLANG_API_KEY`, the key SGLang runs
-with (`--api-key $(SGLANG_API_KEY)`, or its `--admin-api-key` where one is set); the adapter sends it as a
-bearer token and never logs it.
+Set by the operator from `spec.rollout.apiKeySecretRef` (both containers): `SGLANG_API_KEY`, the key SGLang
+runs with (`python -m colocate_runtime.sglang.serve` passes it as `--api-key` without a command line; or the
+value of its `--admin-api-key` where one is set); the adapter sends it as a bearer token and never logs it.
 
 The operator sets `COLOCATE_IPC_PREFLIGHT` from `spec.weightSync.ipcPreflight.mode` (default `Wait`); unset,
 it is `Off`, because outside the operator's pods (tests, benchmarks) nothing may answer a preflight.
