@@ -344,6 +344,7 @@ def test_every_child_is_owned_by_the_job() -> None:
         *metastore.managed_children(job, CONFIG, "pw"),
         gpus.claim_template(job),
         pods.headless_service(job),
+        pods.network_policy(job),
         *pods.pods(job, 0, metastore.endpoint(job, CONFIG), CONFIG),
     ]
     for child in children:

@@ -498,7 +498,7 @@ def test_periodic_resync_repairs_children_nobody_watches(
         policies = get(cluster, namespace, "networkpolicies")["items"]
         return any(
             s["metadata"]["name"] == "demo" and s["metadata"]["uid"] != old for s in services
-        ) and bool(policies)
+        ) and any(p["metadata"]["name"] == "demo-metastore" for p in policies)
 
     wait_for(repaired, 30, "headless Service and NetworkPolicy recreated")
     assert job_status(cluster, namespace)["restarts"] == 0
