@@ -31,6 +31,7 @@ class CloseReport:
     alive: tuple[int, ...]  # bucket indices still mapped
     seconds: float
     gc_seconds: float = 0.0
+    opened: tuple[int, ...] = ()  # every bucket index mapped in this scope (the ACK says so to the trainer)
 
 
 class ImportScope:
@@ -39,12 +40,14 @@ class ImportScope:
     def __init__(self) -> None:
         self._tensors: dict[int, torch.Tensor] = {}
         self._refs: dict[int, StorageWeakRef] = {}
+        self._opened: list[int] = []
 
     def add(self, index: int, flat: torch.Tensor) -> None:
         if index in self._tensors or index in self._refs:
             raise ValueError(f"bucket {index} is opened twice")
         self._tensors[index] = flat
         self._refs[index] = StorageWeakRef(flat.untyped_storage())
+        self._opened.append(index)
 
     def bucket(self, index: int) -> torch.Tensor:
         return self._tensors[index]
@@ -72,4 +75,6 @@ class ImportScope:
         synchronize()
         if not alive:
             self._refs.clear()
-        return CloseReport(not alive, used_gc, alive, time.perf_counter() - t0, gc_seconds)
+        return CloseReport(
+            not alive, used_gc, alive, time.perf_counter() - t0, gc_seconds, tuple(self._opened)
+        )

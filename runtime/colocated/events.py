@@ -30,7 +30,9 @@ preflight events carry it, and a decoder must accept entries without it):
 
 Phases, in order. Trainer: `published` (manifest and handles written; `seconds` covers packing and
 publishing), `acked` (ACK received; `seconds` = wait), `freed` (buckets returned), `finished`. Reader:
-`opened`, `copied`, `closed` (verified forced IPC close), `acked`, `finished`. Either side: `failed` with a
+`opened`, `copied`, `closed` (verified forced IPC close), `acked`, `finished`. The trainer writes
+`ack_rejected` (`result=error`, the reason in `error`) for an ACK it refused: one that the step's claimant did
+not write, or that does not decode; the step goes on waiting. Either side: `failed` with a
 `result` other than `ok`. At the end of training the trainer writes one record with `phase=final`,
 `final=true`, `step` = last step, `result` = `ok` or `error`: success of the job needs this record, not exit
 codes.
@@ -78,6 +80,7 @@ PHASES = (
     "failed",
     "final",
     "preflight",
+    "ack_rejected",  # trainer: an ACK not from the step's claimant (or not decodable) was refused
 )
 RESULTS = ("", "ok", "error", "aborted", "timeout", "peer_lost", "metastore_lost")
 

@@ -12,12 +12,17 @@ GPUs are named by UUID: the two containers of a pod may number them differently.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 from colocate_runtime.colocated.manifest import Descriptor
 from colocate_runtime.colocated.transport import DeviceNotVisible, LocalBucket, TransportError
+
+log = logging.getLogger(__name__)
 
 KIND = "CudaIPC"
 _ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -27,6 +32,11 @@ _BLOCK_ALIGN = 512
 _REF_COUNTERS_PER_FILE = 10_000
 _EVENT_HANDLE_BYTES = 64
 _MAX_OFFSET = 1 << 40  # no GPU has a terabyte segment
+# A reference-counter file as torch's RefcountedMapAllocator lays it out in /dev/shm: its own 64-byte header,
+# then the int64 counters. A file of another size is not read (release then decrements once, blind).
+_REF_FILE_HEADER = 64
+_REF_FILE_BYTES = _REF_FILE_HEADER + 8 * _REF_COUNTERS_PER_FILE
+_SHM_DIR = Path("/dev/shm")
 
 
 def gpu_uuid(device: torch.device | int) -> str:
@@ -120,12 +130,50 @@ class CudaIpcExporter:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def release(self, buckets: list[LocalBucket]) -> None:
+        """Bring torch's share count of each bucket to zero, as the reader's close would have. `_share_cuda_`
+        sets a bucket's counter to 1 and only the consumer's storage deleter decrements it; a bucket no reader
+        mapped (or whose reader died holding it) would otherwise sit in torch's IPC limbo, allocated, until
+        this process exits. Only for buckets no reader maps or ever will: the caller's protocol says which.
+
+        The counter is read first, so a bucket whose reader closed it before dying is not decremented twice
+        (a negative counter reads as a huge unsigned one to torch: limbo for good)."""
+        for b in buckets:
+            d = b.descriptor
+            if not d or d.get("kind") != KIND:
+                continue
+            handle, offset = d["ref_counter_handle"], d["ref_counter_offset"]
+            assert isinstance(handle, bytes) and isinstance(offset, int)
+            count = share_count(handle, offset)
+            if count is None:
+                log.debug("IPC counter of bucket %d not readable: one decrement", b.index)
+                count = 1
+            for _ in range(min(count, 64)):
+                torch.UntypedStorage._release_ipc_counter_cuda(handle, offset)
+
     def free(self, buckets: list[LocalBucket]) -> None:
         for b in buckets:
             b.tensor = None
         # Blocks shared with a consumer sit in torch's IPC limbo until the consumer's reference counter drops;
         # collect them now that the consumer said its mappings are closed.
         torch.cuda.ipc_collect()
+
+
+def share_count(ref_counter_handle: bytes, ref_counter_offset: int) -> int | None:
+    """The value of one of torch's CUDA IPC reference counters (how many consumers still hold the storage),
+    read from its shared-memory file; None when the file is gone or not laid out as expected."""
+    name = ref_counter_handle.decode("ascii", errors="replace").lstrip("/")
+    if not name or "/" in name or not 0 <= ref_counter_offset < _REF_COUNTERS_PER_FILE:
+        return None
+    try:
+        with open(_SHM_DIR / name, "rb") as f:
+            if os.fstat(f.fileno()).st_size != _REF_FILE_BYTES:
+                return None
+            f.seek(_REF_FILE_HEADER + 8 * ref_counter_offset)
+            raw = f.read(8)
+    except OSError:
+        return None
+    return int.from_bytes(raw, sys.byteorder, signed=True) if len(raw) == 8 else None
 
 
 def check_descriptor(descriptor: Descriptor, nbytes: int) -> None:

@@ -326,6 +326,15 @@ class Ack:
     error: str = ""
     reader_pid: int = 0
     reader_host: str = ""
+    # The claim this ACK answers (the reader's identity, metastore.reader_claim): an ACK from anyone else
+    # frees nothing. Empty from a reader that predates claim binding.
+    reader: str = ""
+    # Bucket indices this reader mapped in this step: the trainer releases the others' IPC share itself.
+    # None: not said (an older reader), so the trainer assumes every bucket was mapped.
+    opened: tuple[int, ...] | None = None
+    # Earlier steps of this reader whose close failed and whose mappings are still alive (generation, step):
+    # their parked buckets stay parked. None: not said (assume every earlier failed close is still mapped).
+    held: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "error"):
@@ -347,6 +356,9 @@ class Ack:
                 "error": self.error[:2000],
                 "reader_pid": self.reader_pid,
                 "reader_host": self.reader_host,
+                "reader": self.reader,
+                "opened": None if self.opened is None else list(self.opened),
+                "held": None if self.held is None else [list(h) for h in self.held],
             },
             separators=(",", ":"),
         )
@@ -368,8 +380,39 @@ class Ack:
                 error=str(d.get("error", "")),
                 reader_pid=int(d.get("reader_pid", 0)),
                 reader_host=str(d.get("reader_host", "")),
+                reader=str(d.get("reader", "")),
+                opened=_ack_ints(d.get("opened"), "opened"),
+                held=_ack_held(d.get("held")),
             )
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ManifestError(f"malformed ACK: {err!r}") from None
+
+
+_ACK_LIST_MAX = 4096  # more buckets or held steps than any real step has: a hostile ACK, refused
+
+
+def _ack_ints(raw: Any, name: str) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, list)
+        or len(raw) > _ACK_LIST_MAX
+        or not all(type(x) is int and 0 <= x < 1 << 31 for x in raw)
+    ):
+        raise ManifestError(f"ACK field {name} is not a list of bucket indices")
+    return tuple(raw)
+
+
+def _ack_held(raw: Any) -> tuple[tuple[int, int], ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > _ACK_LIST_MAX:
+        raise ManifestError("ACK field held is not a list of [generation, step]")
+    held = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2 or not all(type(x) is int and x >= 0 for x in item):
+            raise ManifestError("ACK field held is not a list of [generation, step]")
+        held.append((item[0], item[1]))
+    return tuple(held)

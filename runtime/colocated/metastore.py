@@ -21,7 +21,7 @@ from redis.retry import Retry
 from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.config import MetaStoreAddress
 from colocate_runtime.colocated.keys import KeySchema
-from colocate_runtime.colocated.manifest import Ack
+from colocate_runtime.colocated.manifest import Ack, ManifestError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -54,6 +54,27 @@ if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then winner = re
 return {manifest, winner, redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4])}
 """
 
+# The reader's ACK (NX), written only by the holder of the step's claim (KEYS[3] == ARGV[4]), and its token
+# pushed. A value already there that the claimant did not write (forged, or not JSON) is replaced, so a
+# stray writer cannot lock the claimant out. -1 = not the claimant, 1 = written, 2 = the same ACK was there
+# (a retry), 3 = replaced a stray value, 0 = the claimant already wrote a different ACK.
+_WRITE_ACK = """
+if redis.call('GET', KEYS[3]) ~= ARGV[4] then return -1 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  return 1
+end
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then return 2 end
+local ok, old = pcall(cjson.decode, current)
+if ok and type(old) == 'table' and old['reader'] == ARGV[4] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 3
+"""
+
 # A preflight offer (NX) announced in one step: its pod's index names it, and the reader side's queue wakes.
 _OFFER_PREFLIGHT = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -68,15 +89,51 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return 2 end
 return 0
 """
 
-CLAIM_READER = "reader"
+CLAIM_READER = "reader"  # a reader's claim is `reader:{host}:{pid}:{token}` (reader_claim)
 CLAIM_REVOKED = "revoked"
+
+
+@dataclass(frozen=True, slots=True)
+class Claimant:
+    """The reader that holds a step's claim: its process (for liveness) and the token of its instance."""
+
+    host: str
+    pid: int
+    token: str
+
+
+def reader_claim(host: str, pid: int, token: str) -> str:
+    """A reader's claim value: its identity and incarnation (a fresh token per reader instance). Its ACKs
+    carry the same value, and the writer frees nothing on an ACK from anyone else."""
+    if ":" in host or ":" in token or not token:
+        raise ValueError(f"reader identity needs a host and a token without ':', got {host!r}, {token!r}")
+    return f"{CLAIM_READER}:{host}:{pid}:{token}"
+
+
+def is_reader_claim(value: str | None) -> bool:
+    return value is not None and (value == CLAIM_READER or value.startswith(CLAIM_READER + ":"))
+
+
+def parse_claim(value: str | None) -> Claimant | None:
+    """The reader named by a claim value; None for `revoked`, a bare legacy `reader`, or garbage."""
+    parts = (value or "").split(":")
+    if len(parts) != 4 or parts[0] != CLAIM_READER or not parts[2].isdigit():
+        return None
+    return Claimant(parts[1], int(parts[2]), parts[3])
 
 
 @dataclass(frozen=True, slots=True)
 class StepFetch:
     manifest: bytes
-    winner: str  # who holds the step's claim: CLAIM_READER if this fetch won it (or already held it)
+    winner: str  # who holds the step's claim: the fetch's `who` if it won it (or already held it)
     abort_reason: str | None
+
+
+def _ack(raw: bytes, step: int) -> Ack:
+    try:
+        return Ack.from_json(raw)
+    except ManifestError as err:
+        raise MalformedAck(f"step {step}: {err}") from None
 
 
 def _abort_text(raws: Iterable[bytes | None]) -> str | None:
@@ -101,6 +158,14 @@ class MetaStoreAuthError(MetaStoreError):
 
 class MetaStoreConflict(MetaStoreError):
     """An NX write found a different value: two writers for one step, or a stale incarnation."""
+
+
+class NotClaimant(MetaStoreConflict):
+    """An ACK from a process that does not hold the step's claim: refused, nothing written."""
+
+
+class MalformedAck(MetaStoreError):
+    """What sits under a step's ACK key (or its queue) does not decode as an ACK: no licence to free."""
 
 
 def _translated(fn: Callable[P, R]) -> Callable[P, R]:
@@ -140,6 +205,7 @@ class MetaStore:
         self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
         self._claim = client.register_script(_CLAIM)
         self._fetch_step = client.register_script(_FETCH_STEP)
+        self._write_ack = client.register_script(_WRITE_ACK)
         self._offer_preflight = client.register_script(_OFFER_PREFLIGHT)
 
     @staticmethod
@@ -282,29 +348,45 @@ class MetaStore:
 
     @_translated
     def write_ack(self, gen: int, step: int, uuid: str, ack: Ack) -> bool:
+        """Write the ACK of the step this reader claimed (`ack.reader` must be the claim's value). False: the
+        same ACK was already there (an idempotent retry)."""
         text = ack.to_json()
         # The ACK itself is the queue's token, so the waiting writer needs no second read (see wait_ack).
-        result = self._set_nx_notify(
-            keys=[self.keys.ack(gen, step, uuid), self.keys.ack_queue(gen, step, uuid)],
-            args=[text, self.key_ttl_ms, text],
+        result = int(
+            self._write_ack(
+                keys=[
+                    self.keys.ack(gen, step, uuid),
+                    self.keys.ack_queue(gen, step, uuid),
+                    self.keys.claim(gen, step, uuid),
+                ],
+                args=[text, self.key_ttl_ms, text, ack.reader],
+            )
         )
-        if int(result) == 0:
+        if result == -1:
+            raw = self.client.get(self.keys.claim(gen, step, uuid))
+            owner = raw.decode(errors="replace") if raw else "nobody"
+            raise NotClaimant(
+                f"ACK for step {step} of generation {gen} on {uuid} refused: the step is claimed by "
+                f"{owner}, not by {ack.reader or 'this reader'}"
+            )
+        if result == 0:
             raise MetaStoreConflict(f"step {step} of generation {gen} on {uuid} was already acknowledged")
-        return int(result) == 1
+        return result != 2
 
     @_translated
     def wait_ack(self, gen: int, step: int, uuid: str, timeout_s: float) -> Ack | None:
-        """Block at most `timeout_s` for the ACK of one step."""
+        """Block at most `timeout_s` for the ACK of one step. Raises MalformedAck for one that does not
+        decode (the caller reports it and keeps waiting: it is nobody's proof of a close)."""
         got = self.client.blpop([self.keys.ack_queue(gen, step, uuid)], timeout=max(timeout_s, 0.01))
         if got is not None and got[1].startswith(b"{"):
-            return Ack.from_json(got[1])  # the token is the ACK (an older reader pushes "1": read the key)
+            return _ack(got[1], step)  # the token is the ACK (an older reader pushes "1": read the key)
         raw = self.client.get(self.keys.ack(gen, step, uuid))
-        return None if raw is None else Ack.from_json(raw)
+        return None if raw is None else _ack(raw, step)
 
     @_translated
     def read_ack(self, gen: int, step: int, uuid: str) -> Ack | None:
         raw = self.client.get(self.keys.ack(gen, step, uuid))
-        return None if raw is None else Ack.from_json(raw)
+        return None if raw is None else _ack(raw, step)
 
     @_translated
     def delete_steps(self, gen: int, steps: Iterable[int], uuid: str) -> int:

@@ -200,6 +200,7 @@ class Verdict:
     reader_host: str = ""
     reader_gpu: str = ""  # the GPU (UUID) the answering process serves
     seconds: float = 0.0
+    opened: bool | None = None  # whether the reader mapped the buffer (None: not said, assume it did)
 
     def __post_init__(self) -> None:
         if self.reason not in ev.PREFLIGHT_REASONS or self.ok != (self.reason == ev.PREFLIGHT_PASSED):
@@ -217,6 +218,7 @@ class Verdict:
                 "reader_host": self.reader_host,
                 "reader_gpu": self.reader_gpu,
                 "seconds": round(self.seconds, 6),
+                "opened": self.opened,
             },
             separators=(",", ":"),
         )
@@ -236,6 +238,7 @@ class Verdict:
                 reader_host=str(d.get("reader_host", "")),
                 reader_gpu=str(d.get("reader_gpu", "")),
                 seconds=float(d.get("seconds", 0.0)),
+                opened=d["opened"] if isinstance(d.get("opened"), bool) else None,
             )
         except OfferError:
             raise

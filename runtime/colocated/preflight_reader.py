@@ -13,6 +13,7 @@ its container (a narrowed CUDA_VISIBLE_DEVICES) must not pre-empt the process th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -193,6 +194,8 @@ class PreflightResponder:
             verdict = self._open_and_compare(offer, scope, t0)
         finally:
             close = scope.close(self.importer.synchronize)
+        # Whether the buffer was mapped: the trainer drops torch's share of one that was not.
+        verdict = dataclasses.replace(verdict, opened=bool(close.opened))
         if not close.released:
             return self._verdict(
                 False,
@@ -200,6 +203,7 @@ class PreflightResponder:
                 "the preflight mapping is still referenced after the forced close",
                 t0,
                 ipc_closed=False,
+                opened=True,
             )
         return verdict
 
@@ -233,12 +237,15 @@ class PreflightResponder:
 
     # --- answers ------------------------------------------------------------------------------------------
 
-    def _verdict(self, ok: bool, reason: str, message: str, t0: float, *, ipc_closed: bool = True) -> Verdict:
+    def _verdict(
+        self, ok: bool, reason: str, message: str, t0: float, *, ipc_closed: bool = True, opened: bool = False
+    ) -> Verdict:
         return Verdict(
             ok,
             reason,
             message,
             ipc_closed=ipc_closed,
+            opened=opened,
             reader_pid=os.getpid(),
             reader_host=host_id(),
             reader_gpu=self.uuid,

@@ -192,6 +192,7 @@ class TrainerPreflight:
         except MetaStoreError:
             winner = None
         if winner == CLAIM_REVOKED:
+            self.exporter.release([bucket])  # no reader will map it: torch's share count is ours to drop
             self.exporter.free([bucket])
             return Verdict(
                 False,
@@ -213,12 +214,19 @@ class TrainerPreflight:
         self, gen: int, n: int, bucket: LocalBucket, verdict: Verdict | None, claimant: str | None
     ) -> None:
         if (verdict is not None and verdict.ipc_closed) or _claimant_dead(claimant):
-            self.exporter.free([bucket])
+            self._free(bucket, verdict, claimant)
             return
         self._parked.append(_Parked(gen, n, bucket, claimant))
         log.warning(
             "IPC preflight on %s: buffer of attempt %d kept until its reader answers or dies", self.uuid, n
         )
+
+    def _free(self, bucket: LocalBucket, verdict: Verdict | None, claimant: str | None) -> None:
+        """Free a buffer nobody maps any more; first drop the share a reader never took (it did not open the
+        buffer) or took and died with, or torch keeps the memory until this process exits."""
+        if _claimant_dead(claimant) or (verdict is not None and verdict.opened is False):
+            self.exporter.release([bucket])
+        self.exporter.free([bucket])
 
     def reap(self) -> None:
         """Free kept buffers whose reader has answered since, or died."""
@@ -226,11 +234,11 @@ class TrainerPreflight:
         for p in self._parked:
             try:
                 raw = self.store.read_preflight_result(p.gen, p.attempt, self.uuid)
-                closed = raw is not None and _decode_verdict(raw).ipc_closed
+                verdict = None if raw is None else _decode_verdict(raw)
             except MetaStoreError:
-                closed = False
-            if closed or _claimant_dead(p.claimant):
-                self.exporter.free([p.bucket])
+                verdict = None
+            if (verdict is not None and verdict.ipc_closed) or _claimant_dead(p.claimant):
+                self._free(p.bucket, verdict, p.claimant)
             else:
                 still.append(p)
         self._parked = still

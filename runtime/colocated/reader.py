@@ -19,6 +19,7 @@ import gc
 import logging
 import math
 import os
+import secrets
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -35,7 +36,7 @@ from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
 from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
-from colocate_runtime.colocated.metastore import CLAIM_READER, MetaStore, MetaStoreError, MetaStoreUnavailable
+from colocate_runtime.colocated.metastore import MetaStore, MetaStoreError, MetaStoreUnavailable, reader_claim
 from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
@@ -165,6 +166,9 @@ class WeightReader:
         self.exchange = exchange
         self.finalize = finalize
         self.uuid = importer.device_uuid()
+        # The claim value of this reader instance: only its own ACKs free the trainer's buckets.
+        self.identity = reader_claim(host_id(), os.getpid(), secrets.token_hex(6))
+        self._unreleased: list[tuple[int, int, ImportScope]] = []  # failed closes: (gen, step, their scope)
         self.history = UpdateHistory()
         self.gen: int | None = None
         self.last_applied: tuple[int, int] | None = None
@@ -282,12 +286,12 @@ class WeightReader:
     def _fetch_and_apply(self, gen: int, step: int) -> StepReport | None:
         t0 = time.perf_counter()
         # Manifest, claim and abort keys in one round trip (no claim when the manifest is gone).
-        fetched = self.store.fetch_step(gen, step, self.uuid, CLAIM_READER)
+        fetched = self.store.fetch_step(gen, step, self.uuid, self.identity)
         if fetched is None:
             log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
             return None
-        if fetched.winner != CLAIM_READER:
-            log.warning("step %d: the trainer revoked it before this reader claimed it; skipped", step)
+        if fetched.winner != self.identity:
+            log.warning("step %d: claimed by %s before this reader; skipped", step, fetched.winner)
             return None
         try:
             manifest = decode_manifest(
@@ -301,6 +305,9 @@ class WeightReader:
                 error=f"ManifestError: {err}",
                 reader_pid=os.getpid(),
                 reader_host=host_id(),
+                reader=self.identity,
+                opened=(),
+                held=self._held(),
             )
             self.store.write_ack(gen, step, self.uuid, ack)
             raise StepFailed(f"step {step}: {err}", step=step) from None
@@ -367,10 +374,12 @@ class WeightReader:
             # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
             traceback.clear_frames(err.__traceback__)
             close = scope.close(self.importer.synchronize)
+            self._remember_unreleased(gen, step, scope, close)
             self._fail(manifest, err, close, seconds)
             raise
         close = scope.close(self.importer.synchronize, blanket_gc=self.settings.blanket_gc)
         seconds["close"] = close.seconds
+        self._remember_unreleased(gen, step, scope, close)
         if not close.released:
             err = CloseError(f"step {step}: buckets {list(close.alive)} still referenced after gc.collect()")
             self._fail(manifest, err, close, seconds)
@@ -397,6 +406,9 @@ class WeightReader:
             error=f"checksum mismatch: {mismatches}" if mismatches else "",
             reader_pid=os.getpid(),
             reader_host=host_id(),
+            reader=self.identity,
+            opened=close.opened,
+            held=self._held(),
         )
         t3 = time.perf_counter()
         self.last_applied = (gen, step)
@@ -668,6 +680,16 @@ class WeightReader:
                     raise
                 time.sleep(0.2)
 
+    def _remember_unreleased(self, gen: int, step: int, scope: ImportScope, close: CloseReport) -> None:
+        """A failed close: its mappings live on; later ACKs list the step in `held` until they are gone."""
+        if not close.released:
+            self._unreleased.append((gen, step, scope))
+
+    def _held(self) -> tuple[tuple[int, int], ...]:
+        """Earlier steps whose mappings are still alive here (the trainer keeps their buckets parked)."""
+        self._unreleased = [(g, s, scope) for g, s, scope in self._unreleased if scope.alive()]
+        return tuple((g, s) for g, s, _ in self._unreleased)
+
     def _fail(
         self, manifest: Manifest, err: BaseException, close: CloseReport, seconds: dict[str, float]
     ) -> None:
@@ -682,6 +704,9 @@ class WeightReader:
             error=f"{type(err).__name__}: {err}",
             reader_pid=os.getpid(),
             reader_host=host_id(),
+            reader=self.identity,
+            opened=close.opened,
+            held=self._held(),
         )
         try:
             self._write_ack(manifest, ack)

@@ -50,6 +50,9 @@ class SharedMemoryExporter:
     def synchronize(self) -> None:
         pass
 
+    def release(self, buckets: list[LocalBucket]) -> None:
+        pass  # no share count: a mapping keeps its file's pages by itself, and `free` unlinks the name
+
     def free(self, buckets: list[LocalBucket]) -> None:
         for b in buckets:
             b.tensor = None

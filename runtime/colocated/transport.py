@@ -52,6 +52,11 @@ class BucketExporter(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def release(self, buckets: list[LocalBucket]) -> None:
+        """Give up the importer's share of exported buckets that no importer maps or ever will (never opened,
+        or the importer is gone), so `free` returns their memory now (CUDA IPC: torch's share count)."""
+        ...
+
     def free(self, buckets: list[LocalBucket]) -> None:
         """Return the memory: only after an ACK with ipc_closed, or once the importer is known dead."""
         ...

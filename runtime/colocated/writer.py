@@ -31,7 +31,7 @@ from colocate_runtime.colocated import checksum
 from colocate_runtime.colocated.buckets import BucketPlan, EntrySpec, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
-from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
+from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id, process_gone
 from colocate_runtime.colocated.manifest import (
     Ack,
     BucketRecord,
@@ -41,11 +41,13 @@ from colocate_runtime.colocated.manifest import (
     encode_manifest,
 )
 from colocate_runtime.colocated.metastore import (
-    CLAIM_READER,
     CLAIM_REVOKED,
+    MalformedAck,
     MetaStore,
     MetaStoreError,
     MetaStoreUnavailable,
+    is_reader_claim,
+    parse_claim,
 )
 from colocate_runtime.colocated.outcome import (
     MetaStoreLost,
@@ -108,6 +110,10 @@ class PendingStep:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     reader_watch: PeerWatch | None = None  # set when parked: is the reader that may map them alive?
     published_at: float = 0.0  # perf_counter when the manifest was written: `wait_ack` counts from here
+    claimant: str | None = None  # the reader claim holding the step, once known (only its ACKs count)
+    opened: frozenset[int] | None = None  # buckets that reader mapped (its ACK says); None: not known
+    mapped: bool = False  # its ACK said the close failed: parked until it reports them released or is gone
+    rejected: set[str] = field(default_factory=set)  # ACKs already refused (each reported once)
 
 
 class WeightWriter:
@@ -285,6 +291,7 @@ class WeightWriter:
             self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest, self._layout))
         except BaseException:
             # Nothing was announced (or the announcement failed): no reader can hold these buckets.
+            self.exporter.release(buckets)
             self.exporter.free(buckets)
             raise
         t_pub = time.perf_counter()
@@ -318,7 +325,7 @@ class WeightWriter:
         unreachable: str | None = None
         while True:
             try:
-                ack = self.store.wait_ack(gen, step, self.uuid, deadline.slice())
+                ack = self._bound_ack(pending, deadline.slice())
                 unreachable = None
                 if ack is not None:
                     # From the manifest's write (not from this call): the reader may have been at work while
@@ -338,7 +345,7 @@ class WeightWriter:
                 unreachable = str(err)
                 time.sleep(min(0.2, deadline.remaining()))
             if unreachable is None and reader.dead() and self._reader_was_here(pending, reader):
-                self._free(pending)
+                self._free(pending, self._all(pending))
                 raise self._failed(
                     pending,
                     PeerLost(
@@ -372,8 +379,11 @@ class WeightWriter:
 
     def _on_ack(self, pending: PendingStep, ack: Ack, reader: PeerWatch, deadline: Deadline) -> StepReport:
         step = pending.step
+        pending.opened = None if ack.opened is None else frozenset(ack.opened)
         if not ack.ipc_closed:
-            # The reader could not verify its close: only its death makes the memory safe to reuse.
+            # The reader could not verify its close: only its death (or its word that the mappings are gone,
+            # in a later ACK) makes the memory safe to reuse.
+            pending.mapped = True
             self._wait_for_death(pending, reader, deadline)
             raise self._failed(
                 pending,
@@ -385,8 +395,8 @@ class WeightWriter:
                 ),
             )
         t0 = time.perf_counter()
-        self._free(pending)
-        self._reap_parked(acked_step=step)
+        self._free(pending, self._unopened(pending))
+        self._reap_parked(later=ack, step=step)
         pending.phase_seconds["free"] = time.perf_counter() - t0
         if ack.status != "ok" or ack.checksum_mismatches:
             detail = ack.error or f"checksum mismatch in {list(ack.checksum_mismatches)}"
@@ -423,24 +433,29 @@ class WeightWriter:
         except MetaStoreError:
             winner = None
         if winner == CLAIM_REVOKED:
-            self._free(pending)
+            self._free(pending, self._all(pending))  # no reader will ever map them
             err.freed = True
             raise self._failed(pending, err)
+        if is_reader_claim(winner):
+            pending.claimant = winner
         # The reader holds (or may hold) a mapping; it checks the abort key and will ACK after closing.
         grace = Deadline(2 * self.settings.heartbeat_ttl_s + 1.0)
         while not grace.expired:
             try:
-                ack = self.store.wait_ack(pending.gen, step, self.uuid, grace.slice())
+                ack = self._bound_ack(pending, grace.slice())
+                if ack is not None:
+                    pending.opened = None if ack.opened is None else frozenset(ack.opened)
+                    pending.mapped = not ack.ipc_closed
                 if ack is not None and ack.ipc_closed:
-                    self._free(pending)
-                    self._reap_parked(acked_step=step)
+                    self._free(pending, self._unopened(pending))
+                    self._reap_parked(later=ack, step=step)
                     err.freed = True
                     raise self._failed(pending, err)
                 reader.check()
             except MetaStoreUnavailable:
                 time.sleep(min(0.2, grace.remaining()))
-            if reader.dead():
-                self._free(pending)
+            if reader.dead() or _claimant_gone(pending.claimant):
+                self._free(pending, self._all(pending))
                 err.freed = True
                 raise self._failed(pending, err)
         self._park(pending)
@@ -451,8 +466,8 @@ class WeightWriter:
         while not deadline.expired:
             with contextlib.suppress(MetaStoreUnavailable):
                 reader.check()
-            if reader.dead():
-                self._free(pending)
+            if reader.dead() or _claimant_gone(pending.claimant):
+                self._free(pending, self._all(pending))
                 return
             time.sleep(deadline.slice(0.5))
         self._park(pending)
@@ -480,16 +495,63 @@ class WeightWriter:
         if reader.ever_seen:
             return True
         try:
-            return self.store.claim_owner(pending.gen, pending.step, self.uuid) == CLAIM_READER
+            return is_reader_claim(self.store.claim_owner(pending.gen, pending.step, self.uuid))
         except MetaStoreError:
             return False
 
+    # --- ACKs ---------------------------------------------------------------------------------------------
+
+    def _bound_ack(self, pending: PendingStep, timeout_s: float) -> Ack | None:
+        """The next ACK of the step that its claimant wrote. Any other (from a process that does not hold the
+        claim, or one that does not decode) frees nothing: it is logged and reported once, and the wait goes
+        on. Raises MetaStoreUnavailable."""
+        gen, step = pending.gen, pending.step
+        try:
+            ack = self.store.wait_ack(gen, step, self.uuid, timeout_s)
+        except MalformedAck as err:
+            self._reject_ack(pending, str(err))
+            return None
+        if ack is None:
+            return None
+        owner = self.store.claim_owner(gen, step, self.uuid)
+        if not ack.reader or ack.reader != owner:
+            self._reject_ack(
+                pending,
+                f"step {step}: ACK ({ack.status}) from {ack.reader or 'an unnamed writer'} refused: the step "
+                f"is claimed by {owner or 'nobody'}",
+            )
+            return None
+        pending.claimant = owner
+        return ack
+
+    def _reject_ack(self, pending: PendingStep, why: str) -> None:
+        if why in pending.rejected:
+            return
+        pending.rejected.add(why)
+        log.error("%s; buckets not freed on its strength", why)
+        self._emit(self._event(pending, "ack_rejected", result="error", error=why))
+
     # --- memory -------------------------------------------------------------------------------------------
 
-    def _free(self, pending: PendingStep) -> None:
+    def _free(self, pending: PendingStep, release: frozenset[int]) -> None:
+        """Free the step's buckets; first give up torch's IPC share of those in `release` (buckets no reader
+        mapped, or whose reader is gone): nobody else will, and without it torch keeps their memory until
+        this process exits."""
         if pending.buckets:
+            self.exporter.release([b for b in pending.buckets if b.index in release])
             self.exporter.free(pending.buckets)
             pending.buckets = []
+
+    @staticmethod
+    def _all(pending: PendingStep) -> frozenset[int]:
+        return frozenset(b.index for b in pending.buckets)
+
+    @staticmethod
+    def _unopened(pending: PendingStep) -> frozenset[int]:
+        """Buckets the claimant's ACK says it never mapped (none when it did not say)."""
+        if pending.opened is None:
+            return frozenset()
+        return frozenset(b.index for b in pending.buckets if b.index not in pending.opened)
 
     def _park(self, pending: PendingStep) -> None:
         if pending.buckets and pending not in self._parked:
@@ -497,26 +559,40 @@ class WeightWriter:
             self._parked.append(pending)
             log.warning("step %d: buckets parked (reader may still map them)", pending.step)
 
-    def _reap_parked(self, acked_step: int | None = None) -> None:
-        """Free parked steps that became safe: ACKed late, superseded by a later ACK, or reader dead."""
+    def _reap_parked(self, later: Ack | None = None, step: int | None = None) -> None:
+        """Free parked steps that became safe: ACKed late, superseded by a later ACK of the same reader that
+        does not say it still maps them (`later`, the ACK of `step`), or their reader is gone. A step whose
+        reader reported its close failed stays parked until that reader says otherwise or is gone."""
         still: list[PendingStep] = []
         for p in self._parked:
-            safe = acked_step is not None and p.step < acked_step
-            if not safe:
+            release: frozenset[int] | None = None
+            if later is not None and step is not None and p.step < step and _superseded(p, later):
+                release = self._all(p) if p.opened is None else self._unopened(p)
+            if release is None:
                 try:
-                    ack = self.store.read_ack(p.gen, p.step, self.uuid)
-                    safe = ack is not None and ack.ipc_closed
-                    if not safe and p.reader_watch is not None:
+                    release = self._late_ack(p)
+                    if release is None and p.reader_watch is not None:
                         p.reader_watch.check()
-                        safe = p.reader_watch.dead()
+                        if p.reader_watch.dead() or _claimant_gone(p.claimant):
+                            release = self._all(p)
                 except MetaStoreError:
-                    safe = False
-            if safe:
-                self._free(p)
+                    release = None
+            if release is not None:
+                self._free(p, release)
                 log.info("step %d: parked buckets freed", p.step)
             else:
                 still.append(p)
         self._parked = still
+
+    def _late_ack(self, p: PendingStep) -> frozenset[int] | None:
+        """The release set if the parked step's claimant has since ACKed it with its mappings closed."""
+        ack = self.store.read_ack(p.gen, p.step, self.uuid)
+        if ack is None or not ack.ipc_closed or not ack.reader:
+            return None
+        if ack.reader != (p.claimant or self.store.claim_owner(p.gen, p.step, self.uuid)):
+            return None
+        p.opened = None if ack.opened is None else frozenset(ack.opened)
+        return self._unopened(p)
 
     def _forget_old_steps(self, step: int) -> None:
         self._finished_steps.append(step)
@@ -584,3 +660,20 @@ class WeightWriter:
             self.store.emit(*events)
         except MetaStoreError as err:
             log.warning("step event not recorded: %s", err)
+
+
+def _superseded(p: PendingStep, later: Ack) -> bool:
+    """A later ACK shows that its reader holds no mapping of the parked step `p` (it opens one step at a time
+    and closes it before its ACK), unless it lists `p` as still held. It speaks only for itself: a step that
+    another reader claimed is not superseded. A step reported still mapped needs the reader's own word."""
+    if p.claimant is not None and p.claimant != later.reader:
+        return False
+    if later.held is None:
+        return not p.mapped
+    return (p.gen, p.step) not in later.held
+
+
+def _claimant_gone(claimant: str | None) -> bool:
+    """The claiming reader ran on this host (the pod's containers share it) and its process is gone."""
+    who = parse_claim(claimant)
+    return who is not None and who.host == host_id() and process_gone(who.pid)

@@ -14,16 +14,21 @@ from colocate_runtime.colocated.manifest import Ack
 from colocate_runtime.colocated.metastore import (
     CLAIM_READER,
     CLAIM_REVOKED,
+    MalformedAck,
     MetaStore,
     MetaStoreAuthError,
     MetaStoreConflict,
     MetaStoreUnavailable,
+    NotClaimant,
+    parse_claim,
+    reader_claim,
 )
 from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = KeySchema("ns1", "job1")
 UUID = "GPU-test-0"
+ME = reader_claim("host-a", 4242, "t0k3n")
 
 
 @pytest.fixture
@@ -70,8 +75,8 @@ def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -
     gen = store.start_incarnation(UUID)
     store.publish_manifest(gen, 1, UUID, b"m")
     store.publish_manifest(gen, 2, UUID, b"m")
-    store.claim(gen, 1, UUID, CLAIM_READER)
-    store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True))
+    store.claim(gen, 1, UUID, ME)
+    store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=ME))
     store.abort(gen, 1, "test", "tester")
     store.abort(gen, None, "test", "tester")
     store.heartbeat("reader", UUID, {"x": 1}, ttl_s=5)
@@ -93,7 +98,8 @@ def test_claim_first_wins(store: MetaStore) -> None:
 def test_ack_wakes_the_waiter_and_states_ipc_closed(store: MetaStore) -> None:
     gen = store.start_incarnation(UUID)
     assert store.wait_ack(gen, 1, UUID, 0.05) is None
-    ack = Ack(status="ok", ipc_closed=True, bytes_copied=10, seconds={"copy": 0.1})
+    store.claim(gen, 1, UUID, ME)
+    ack = Ack(status="ok", ipc_closed=True, bytes_copied=10, seconds={"copy": 0.1}, reader=ME, opened=(0, 1))
     assert store.write_ack(gen, 1, UUID, ack) is True
     assert store.write_ack(gen, 1, UUID, ack) is False
     got = store.wait_ack(gen, 1, UUID, 1.0)
@@ -235,3 +241,47 @@ def test_config_from_env_validates_and_hides_the_password() -> None:
     del missing["COLOCATE_METASTORE_PASSWORD"]
     with pytest.raises(ConfigError, match="COLOCATE_METASTORE_PASSWORD"):
         ColocateConfig.from_env(missing)
+
+
+def test_only_the_claimant_can_ack_and_a_stray_value_cannot_lock_it_out(
+    store: MetaStore,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    gen = store.start_incarnation(UUID)
+    other = reader_claim("host-a", 4243, "0th3r")
+    assert parse_claim(ME) is not None and parse_claim(ME).pid == 4242
+    assert parse_claim(CLAIM_REVOKED) is None and parse_claim("reader:x:notapid:t") is None
+    mine = Ack(status="ok", ipc_closed=True, reader=ME, opened=(0,))
+    with pytest.raises(NotClaimant, match="claimed by nobody"):
+        store.write_ack(gen, 1, UUID, mine)  # nothing claimed yet
+    assert store.claim(gen, 1, UUID, ME) == ME
+    with pytest.raises(NotClaimant, match=f"claimed by {ME}, not by {other}"):
+        store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=other))
+    assert store.read_ack(gen, 1, UUID) is None  # the refused ACK wrote nothing
+    # A stray process writes the ACK key and its token directly: the claimant's own ACK still gets through.
+    client = redis_server.client()
+    forged = Ack(status="ok", ipc_closed=True, reader=other).to_json()
+    client.set(KEYS.ack(gen, 1, UUID), forged)
+    client.rpush(KEYS.ack_queue(gen, 1, UUID), forged)
+    assert store.wait_ack(gen, 1, UUID, 1.0).reader == other  # the writer sees it (and refuses it)
+    assert store.write_ack(gen, 1, UUID, mine) is True
+    assert store.wait_ack(gen, 1, UUID, 1.0) == mine
+    assert store.write_ack(gen, 1, UUID, mine) is False  # a retry of the same ACK
+    with pytest.raises(MetaStoreConflict):
+        store.write_ack(gen, 1, UUID, Ack(status="error", ipc_closed=True, reader=ME))
+
+
+def test_a_malformed_ack_is_a_clear_error_not_a_crash(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
+    gen = store.start_incarnation(UUID)
+    client = redis_server.client()
+    for junk in (
+        b"{not json",
+        b'{"schema": 1}',
+        b'{"schema": 1, "status": "ok", "ipc_closed": true, "opened": "x"}',
+    ):
+        client.set(KEYS.ack(gen, 1, UUID), junk)
+        client.rpush(KEYS.ack_queue(gen, 1, UUID), junk)
+        with pytest.raises(MalformedAck, match="step 1"):
+            store.wait_ack(gen, 1, UUID, 1.0)
+        with pytest.raises(MalformedAck):
+            store.read_ack(gen, 1, UUID)
