@@ -354,11 +354,8 @@ class Reconciler:
         pass reads the name and tells our own object from someone else's. Returns the failed creates."""
         failed = 0
         held: set[str] = set()
-        for wave in (
-            [m for m in manifests if m["kind"] == "Secret"],
-            [m for m in manifests if m["kind"] not in ("Secret", "Pod") and m["kind"] not in held],
-            [m for m in manifests if m["kind"] == "Pod" and "Pod" not in held],
-        ):
+        for number in range(3):
+            wave = [m for m in manifests if _wave(m["kind"]) == number and m["kind"] not in held]
             if self.config.create_delay_seconds or len(wave) <= 1:  # fault injection: a predictable order
                 outcomes = [self._create(job, m) for m in wave]
             else:
@@ -433,6 +430,10 @@ class Reconciler:
 
     def _post_event(self, body: dict[str, Any], event: EventSpec) -> None:
         kube_events.post_event(self.api, body, event.type, event.reason, event.message)
+
+
+def _wave(kind: str) -> int:
+    return 0 if kind == "Secret" else 2 if kind == "Pod" else 1
 
 
 def _is_owned(body: dict[str, Any], uid: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -240,3 +241,98 @@ def test_a_new_job_creates_its_children_without_reading_them_first(
     api.calls.clear()
     reconciler.reconcile("ns", "demo")
     assert ("get", "services", "demo") in api.calls, "the next pass looks at what answered 409"
+
+
+def test_a_taken_secret_name_holds_back_redis_and_the_pods(api: FakeKube, reconciler: Reconciler) -> None:
+    """The first pass creates without reading; the predecessor's Secret (still being collected) answers
+    409. Redis and the pods must not start on it; the next pass names it in a condition, creates nothing."""
+    old = {"name": "demo-metastore-auth", "namespace": "ns", "deletionTimestamp": "2026-11-30T11:59:00Z"}
+    old["ownerReferences"] = [{"kind": "ColocateJob", "name": "demo", "uid": "uid-old", "controller": True}]
+    api.put(kube.SECRETS, {"metadata": old, "data": {"password": "b2xk"}})
+    reconciler._pass("ns", "demo")
+    created = [c[1] for c in api.calls if c[0] == "create" and c[1] != "events"]
+    assert created[0] == "secrets"
+    assert "deployments" not in created and "pods" not in created
+    api.calls.clear()
+    reconciler._pass("ns", "demo")
+    assert [c for c in api.calls if c[0] == "create" and c[1] != "events"] == []
+    meta = next(c for c in api.job()["status"]["conditions"] if c["type"] == "MetaStoreReady")
+    assert meta["reason"] == "NameTaken"
+    assert (
+        "Secret ns/demo-metastore-auth exists, owned by ColocateJob demo (being deleted)" in meta["message"]
+    )
+    assert api.event_reasons().count("NameTaken") == 1
+    # Collected: this job's Secret, Redis and pods, in that order.
+    del api.objects[("secrets", "ns", "demo-metastore-auth")]
+    api.calls.clear()
+    reconciler._pass("ns", "demo")
+    created = [c[1] for c in api.calls if c[0] == "create" and c[1] != "events"]
+    assert created[0] == "secrets" and "deployments" in created and created.count("pods") == 2
+    owner = api.objects[("secrets", "ns", "demo-metastore-auth")]["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "uid-demo"
+
+
+def test_a_pod_name_taken_is_read_back_and_reported_once(api: FakeKube, reconciler: Reconciler) -> None:
+    api.put(kube.PODS, {"metadata": {"name": "demo-1", "namespace": "ns"}, "spec": {}})
+    for _ in range(4):
+        reconciler._pass("ns", "demo")
+    assert api.calls.count(("create", "pods", "demo-1")) == 1, "not retried every pass"
+    ready = next(c for c in api.job()["status"]["conditions"] if c["type"] == "PodsReady")
+    assert (ready["reason"], "Pod ns/demo-1 exists, not owned by this job" in ready["message"]) == (
+        "NameTaken",
+        True,
+    )
+    assert api.event_reasons().count("NameTaken") == 1
+    assert api.event_reasons().count("CreatedPods") == 1
+
+
+def test_a_stuck_pod_is_deleted_with_grace_zero(api: FakeKube, reconciler: Reconciler) -> None:
+    bring_up(api, reconciler)
+    pod = api.pods()[0]
+    pod["metadata"]["deletionTimestamp"] = "2026-11-30T11:50:00Z"  # ten minutes past its grace period
+    deletes: list[tuple[str, int | None]] = []
+    real_delete = api.delete
+
+    def delete(kind, namespace, name, *, uid=None, grace_seconds=None):
+        deletes.append((name, grace_seconds))
+        return real_delete(kind, namespace, name, uid=uid)
+
+    api.delete = delete  # type: ignore[method-assign]
+    reconciler._pass("ns", "demo")
+    assert ("demo-0", 0) in deletes
+    assert "ForceDeletedPod" in api.event_reasons()
+
+
+def test_a_pod_exit_waits_for_the_follower_to_catch_up(api: FakeKube, reconciler: Reconciler) -> None:
+    """M4: the operator restarted as the training ended; its follower has not read the stream yet."""
+    from colocate_operator.observed import StreamProgress
+
+    bring_up(api, reconciler)
+    progress = StreamProgress()
+    reconciler.stream_progress = lambda ns, name: progress
+    for pod in api.pods():
+        pod["status"]["phase"] = "Succeeded"
+    assert reconciler._pass("ns", "demo") == pytest.approx(1.0)
+    assert api.job()["status"]["restarts"] == 0 and len(api.pods()) == 2
+    ready = next(c for c in api.job()["status"]["conditions"] if c["type"] == "PodsReady")
+    assert ready["reason"] == "WaitingForFinalRecord"
+    progress.final = True  # the follower replayed the stream and found the final record
+    reconciler._pass("ns", "demo")
+    assert api.job()["status"]["phase"] == "Succeeded" and api.job()["status"]["restarts"] == 0
+
+
+def test_a_pod_exit_without_the_final_record_restarts_once_the_stream_is_read(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    from colocate_operator.observed import StreamProgress
+
+    bring_up(api, reconciler)
+    progress = StreamProgress(caught_up_at=time.time() - 5)  # reading, last at the end before the exit
+    reconciler.stream_progress = lambda ns, name: progress
+    for pod in api.pods():
+        pod["status"]["phase"] = "Succeeded"
+    reconciler._pass("ns", "demo")
+    assert api.job()["status"]["restarts"] == 0
+    progress.caught_up_at = time.time() + 1
+    reconciler._pass("ns", "demo")
+    assert api.job()["status"]["restarts"] == 1
