@@ -88,6 +88,10 @@ class Box:
             raise ShardError(f"box {self} is not inside {outer}")
         return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True)), self.lengths)
 
+    def slices(self) -> tuple[slice, ...]:
+        """The index expression of this box (a tensor indexed with it is the box's view)."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True))
+
     def contains(self, other: Box) -> bool:
         return all(
             a <= b and b + m <= a + n

@@ -52,6 +52,9 @@ class PlacedEntry:
     offset: int  # bytes from the start of the bucket
     nbytes: int
     shard: TensorShard | None = None
+    # An entry read in place from the trainer's own storage (inplace.py): the strided view (shape, strides in
+    # elements) at `offset` whose row-major order is the entry's data. None: packed contiguously.
+    view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def to_json(self) -> dict:
         data = {
@@ -64,6 +67,8 @@ class PlacedEntry:
         }
         if self.shard is not None:
             data["shard"] = self.shard.to_json()
+        if self.view is not None:
+            data["view"] = [list(self.view[0]), list(self.view[1])]
         return data
 
 
@@ -156,6 +161,9 @@ def check_plan(plan: BucketPlan, bucket_bytes: int | None = None, *, align: int 
         expected = math.prod(e.shape) * DTYPE_BYTES[e.dtype]
         if e.nbytes != expected:
             raise BucketPlanError(f"{e.name}: {e.nbytes} bytes recorded, shape and dtype give {expected}")
+        if e.view is not None:
+            _check_view(e, bucket.nbytes)  # views of the trainer's storage may interleave: no overlap check
+            continue
         if e.offset < 0 or e.offset % align or e.offset + e.nbytes > bucket.nbytes:
             raise BucketPlanError(
                 f"{e.name}: bytes [{e.offset}, {e.offset + e.nbytes}) outside bucket {e.bucket} "
@@ -172,6 +180,25 @@ def check_plan(plan: BucketPlan, bucket_bytes: int | None = None, *, align: int 
             raise BucketPlanError(
                 f"bucket {index} holds {max(nonempty)} bytes, more than the cap {bucket_bytes}"
             )
+
+
+def _check_view(e: PlacedEntry, bucket_nbytes: int) -> None:
+    """A strided entry reads only inside its bucket: its last element's byte ends within it."""
+    shape, strides = e.view  # type: ignore[misc]
+    esize = DTYPE_BYTES[e.dtype]
+    if (
+        len(shape) != len(strides)
+        or any(type(n) is not int or n < 0 for n in shape)
+        or any(type(s) is not int or s < 0 for s in strides)
+        or math.prod(shape) != math.prod(e.shape)
+    ):
+        raise BucketPlanError(f"{e.name}: view {e.view} does not describe a {list(e.shape)} entry")
+    last = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if math.prod(shape) else -1
+    if e.offset < 0 or e.offset % esize or e.offset + (last + 1) * esize > bucket_nbytes:
+        raise BucketPlanError(
+            f"{e.name}: view {e.view} at byte {e.offset} leaves bucket {e.bucket} of {bucket_nbytes} bytes "
+            "or is misaligned"
+        )
 
 
 def specs_of(named: Sequence[tuple[str, str, tuple[int, ...]]]) -> list[EntrySpec]:

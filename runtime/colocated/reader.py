@@ -33,6 +33,7 @@ from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.colocated.gather import GatherProgram, compile_gather
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
 from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
@@ -134,6 +135,7 @@ class _CopyProgram:
     extra: dict[str, PlacedEntry] = field(default_factory=dict)
     covered: dict[str, int] = field(default_factory=dict)
     copied_bytes: int = 0
+    gather: GatherProgram | None = None  # an in-place step: every local copy (gather.py)
 
 
 @dataclass(slots=True)
@@ -446,6 +448,9 @@ class WeightReader:
     def _copy_bucket(self, program: _CopyProgram, index: int, scope: ImportScope) -> None:
         """Enqueue the whole-parameter entries of one bucket: one kernel launch for those it can take, then
         one split (a single call makes every remaining entry's view) and one copy per remaining entry."""
+        if program.gather is not None:
+            program.gather.launch(index, scope.bucket(index))
+            return
         bp = program.buckets.get(index)
         if bp is None:
             return
@@ -464,6 +469,8 @@ class WeightReader:
     def _copy_rest(self, manifest: Manifest, program: _CopyProgram, scope: ImportScope) -> int:
         """Sharded entries and the exchange, once every bucket is open; returns the bytes copied here."""
         plan = _CopyPlan(covered=dict(program.covered), copied_bytes=program.copied_bytes)
+        if program.gather is not None:
+            program.gather.copy_slow(scope.bucket)
         for e in program.sharded:
             self._plan_entry(e, entry_view(scope.bucket(e.bucket), e), self.targets[e.name], plan)
         for dst, src in zip(plan.direct_dst, plan.direct_src, strict=True):
@@ -507,7 +514,8 @@ class WeightReader:
         key = (
             sizes,
             tuple(
-                (e.name, e.dtype, e.shape, e.bucket, e.offset, e.nbytes, e.shard) for e in manifest.entries
+                (e.name, e.dtype, e.shape, e.bucket, e.offset, e.nbytes, e.shard, e.view)
+                for e in manifest.entries
             ),
         )
         program = self._programs.get(key)
@@ -535,6 +543,8 @@ class WeightReader:
     def _build_program(self, manifest: Manifest) -> _CopyProgram:
         program = _CopyProgram()
         direct: dict[int, list[PlacedEntry]] = {}
+        in_place = any(e.view is not None for e in manifest.entries)
+        gathered: list[PlacedEntry] = []
         for e in manifest.entries:
             target = self.targets.get(e.name)
             if target is None:
@@ -546,6 +556,9 @@ class WeightReader:
                     "the converter must emit the receiver's dtype",
                     step=manifest.step,
                 )
+            if in_place:
+                gathered.append(e)
+                continue
             if e.shard is not None or e.name in self.target_shards:
                 program.sharded.append(e)
                 continue
@@ -559,6 +572,14 @@ class WeightReader:
             program.covered[e.name] = program.covered.get(e.name, 0) + target.numel()
             program.copied_bytes += e.nbytes
         device = self._kernel_device()
+        if in_place:
+            try:
+                program.gather = compile_gather(tuple(gathered), self.targets, self.target_shards, device)
+            except ValueError as err:
+                raise StepFailed(str(err), step=manifest.step) from None
+            program.covered = dict(program.gather.covered)
+            program.copied_bytes = program.gather.copied_bytes
+            return program
         for b in manifest.buckets:
             entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
             if not entries:

@@ -22,6 +22,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def entry_view(flat: torch.Tensor, entry: PlacedEntry) -> torch.Tensor:
-    """The entry as a tensor of its dtype and shape, aliasing the bucket's bytes (no copy)."""
-    raw = flat.narrow(0, entry.offset, entry.nbytes)
-    return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
+    """The entry as a tensor of its dtype and shape, aliasing the bucket's bytes (no copy; an in-place entry
+    whose view is not of its shape, such as Megatron's interleaved q/k/v, is copied into that shape)."""
+    if entry.view is None:
+        raw = flat.narrow(0, entry.offset, entry.nbytes)
+        return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
+    shape, strides = entry.view
+    base = flat.narrow(0, 0, flat.numel() - flat.numel() % DTYPE_BYTES[entry.dtype])
+    typed = base.view(torch_dtype(entry.dtype))
+    offset = typed.storage_offset() + entry.offset // DTYPE_BYTES[entry.dtype]
+    return typed.as_strided(shape, strides, offset).reshape(entry.shape)

@@ -22,15 +22,16 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from colocate_runtime.colocated import checksum
-from colocate_runtime.colocated.buckets import BucketPlan, EntrySpec, plan_buckets
+from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.colocated.inplace import InPlaceLayout, SourcePiece, adoptable_by, copy_bits
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id, process_gone
 from colocate_runtime.colocated.manifest import (
     Ack,
@@ -114,6 +115,16 @@ class PendingStep:
     opened: frozenset[int] | None = None  # buckets that reader mapped (its ACK says); None: not known
     mapped: bool = False  # its ACK said the close failed: parked until it reports them released or is gone
     rejected: set[str] = field(default_factory=set)  # ACKs already refused (each reported once)
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A step's buckets, filled but not yet exported, with their layout."""
+
+    specs: tuple[BucketSpec, ...]
+    entries: tuple[PlacedEntry, ...]
+    buckets: list[LocalBucket]
+    data: Callable[[str], torch.Tensor]  # an entry's data, for sampled checksums
 
 
 class WeightWriter:
@@ -238,13 +249,7 @@ class WeightWriter:
         weight_version: str | None = None,
     ) -> PendingStep:
         gen = self._gen()
-        if self.last_step is not None and step <= self.last_step:
-            raise ValueError(f"step {step} is not after the last published step {self.last_step}")
-        if self.settings.preflight.enabled and not self.preflight_passed:
-            self.preflight()  # raises rather than publish to a reader side that cannot open it
-        if self._preflight is not None and self._preflight.parked:
-            self._preflight.reap()
-        self._reap_parked()
+        self._before_publish(step)
         t0 = time.perf_counter()
         shards = shards or {}
         specs = []
@@ -259,13 +264,44 @@ class WeightWriter:
                 for e in plan.entries:
                     flat = buckets[e.bucket].tensor
                     assert flat is not None
-                    entry_view(flat, e).copy_(tensors[e.name])
+                    copy_bits(entry_view(flat, e), tensors[e.name])
+        except BaseException:
+            self.exporter.free(buckets)
+            raise
+        staged = _Staged(plan.buckets, plan.entries, buckets, tensors.__getitem__)
+        return self._announce(gen, step, weight_version, staged, t0)
+
+    def in_place_layout(self, pieces: Sequence[SourcePiece]) -> InPlaceLayout:
+        """Compile once per layout (e.g. `trainer_plan(...).bind(model chunks)`) for `publish_in_place`."""
+        return InPlaceLayout.compile(
+            pieces, adoptable=adoptable_by(self.exporter), bucket_bytes=self.settings.bucket_bytes
+        )
+
+    def publish_in_place(
+        self, step: int, layout: InPlaceLayout, *, weight_version: str | None = None
+    ) -> PendingStep:
+        """Publish one step straight from the trainer's storage (inplace.py): its adopted storages are
+        exported as they are and only the rest is packed. The trainer must not write its parameters until
+        the step is freed (`wait_and_free` returned)."""
+        gen = self._gen()
+        self._before_publish(step)
+        t0 = time.perf_counter()
+        buckets = layout.stage(self.exporter, f"g{gen}-s{step}")
+        staged = _Staged(layout.specs, layout.entries, buckets, layout.data)
+        return self._announce(gen, step, weight_version, staged, t0)
+
+    def _announce(
+        self, gen: int, step: int, weight_version: str | None, staged: _Staged, t0: float
+    ) -> PendingStep:
+        """Export the staged buckets and publish their manifest; from here the step is the reader's."""
+        buckets = staged.buckets
+        try:
             sums = {}
             if self.settings.checksum_entries > 0:
                 for name in checksum.sample_names(
-                    [e.name for e in plan.entries], step, self.settings.checksum_entries
+                    [e.name for e in staged.entries], step, self.settings.checksum_entries
                 ):
-                    sums[name] = checksum.tensor_checksum(tensors[name])
+                    sums[name] = checksum.tensor_checksum(staged.data(name))
             for b in buckets:
                 self.exporter.export(b)
             self.exporter.synchronize()
@@ -282,9 +318,9 @@ class WeightWriter:
                 producer=Producer(self.settings.rank, self.settings.replica, os.getpid(), host_id()),
                 buckets=tuple(
                     BucketRecord(s.index, s.dtype, s.nbytes, b.descriptor or {})
-                    for s, b in zip(plan.buckets, buckets, strict=True)
+                    for s, b in zip(staged.specs, buckets, strict=True)
                 ),
-                entries=plan.entries,
+                entries=staged.entries,
                 checksums=sums,
             )
             run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
@@ -302,7 +338,7 @@ class WeightWriter:
             step,
             version,
             buckets,
-            plan.payload_bytes,
+            sum(e.nbytes for e in staged.entries),
             len(buckets),
             run_id,
             {"pack": t_pack - t0, "publish": t_pub - t_pack},
@@ -310,6 +346,15 @@ class WeightWriter:
         )
         self._emit(self._event(pending, "published", seconds=t_pub - t0))
         return pending
+
+    def _before_publish(self, step: int) -> None:
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"step {step} is not after the last published step {self.last_step}")
+        if self.settings.preflight.enabled and not self.preflight_passed:
+            self.preflight()  # raises rather than publish to a reader side that cannot open it
+        if self._preflight is not None and self._preflight.parked:
+            self._preflight.reap()
+        self._reap_parked()
 
     def _plan_of(self, specs: list[EntrySpec]) -> BucketPlan:
         cap = self.settings.bucket_bytes

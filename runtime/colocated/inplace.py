@@ -1,0 +1,171 @@
+"""Trainer side of the one-pass update: publish the trainer's own parameter storage, pack only the rest.
+
+Megatron-core keeps a rank's parameters as views into a few contiguous per-dtype buffers (its DDP
+`param_data`). Packing them into buckets is a full copy of the rank's weights every step; exporting those
+buffers' storage instead costs one CUDA IPC handle each, and the reader copies straight from them into its
+own fused parameters (gather.py). Each entry is a strided view of its storage (Megatron's interleaved q/k/v
+groups are one), described once per layout.
+
+Pieces that cannot be read in place are packed into buckets as before: a dtype cast, a layout only a copy
+produces, storage the transport cannot export (shared memory on CPU) and storages holding too few bytes to be
+worth a handle of their own (a plain parameter per allocation: thousands of handles cost more than a copy).
+
+Each step exports a fresh alias of each adopted storage (a DLPack view: its own storage object), so torch's
+IPC reference counting wraps the alias, never the trainer's parameter, and nothing accumulates on the
+parameter from step to step. The trainer must not write those parameters until the step's ACK: the
+optimizer step comes after `update` returns (the protocol already holds the trainer there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from colocate_runtime.colocated.buckets import BucketSpec, EntrySpec, PlacedEntry, plan_buckets
+from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
+from colocate_runtime.colocated.views import dtype_name, entry_view
+from colocate_runtime.shards import TensorShard
+
+# A storage is exported in place only when it carries at least this much of the step: below, a handle
+# (about a millisecond to open) costs more than copying its bytes into a shared bucket.
+MIN_ADOPT_BYTES = 256 << 20
+MAX_ADOPTED = 16  # handles per step; Megatron has one or two buffers per dtype and expert group
+
+
+class SourcePiece(Protocol):
+    """One canonical piece of the rank (convert's `BoundPiece`)."""
+
+    @property
+    def shard(self) -> TensorShard: ...
+
+    def data(self) -> torch.Tensor: ...
+
+    def view(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class InPlaceLayout:
+    """A rank's step layout, compiled once: which storages are exported as they are, what is packed."""
+
+    adopted: tuple[torch.Tensor, ...]  # uint8 over each adopted storage, bucket i = adopted[i]
+    specs: tuple[BucketSpec, ...]  # every bucket: the adopted storages, then the packed buckets
+    entries: tuple[PlacedEntry, ...]
+    packed: tuple[tuple[PlacedEntry, SourcePiece], ...]  # entries whose data is copied every step
+    sources: dict[str, SourcePiece]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(e.nbytes for e, _ in self.packed)
+
+    def data(self, name: str) -> torch.Tensor:
+        """An entry's data (for sampled checksums)."""
+        return self.sources[name].data()
+
+    def stage(self, exporter: BucketExporter, tag: str) -> list[LocalBucket]:
+        """This step's buckets: a fresh alias of each adopted storage, then the packed ones, filled."""
+        buckets = [LocalBucket(i, torch.from_dlpack(base)) for i, base in enumerate(self.adopted)]
+        first = len(self.adopted)
+        buckets += [exporter.allocate(s.index, s.nbytes, tag) for s in self.specs[first:]]
+        try:
+            with torch.no_grad():
+                for e, source in self.packed:
+                    flat = buckets[e.bucket].tensor
+                    assert flat is not None
+                    copy_bits(entry_view(flat, e), source.data())
+        except BaseException:
+            exporter.free(buckets[first:])
+            raise
+        return buckets
+
+    @staticmethod
+    def compile(
+        pieces: Sequence[SourcePiece],
+        *,
+        adoptable: Callable[[torch.Tensor], bool],
+        bucket_bytes: int,
+        min_adopt_bytes: int = MIN_ADOPT_BYTES,
+        max_adopted: int = MAX_ADOPTED,
+    ) -> InPlaceLayout:
+        """`adoptable`: whether the transport can export a tensor's storage as it is (`adoptable_by`)."""
+        views: dict[tuple[int, str], list[tuple[SourcePiece, torch.Tensor]]] = {}
+        rest: list[SourcePiece] = []
+        for piece in pieces:
+            view = piece.view()
+            if view is None or not adoptable(view):
+                rest.append(piece)
+                continue
+            views.setdefault((view.untyped_storage().data_ptr(), dtype_name(view.dtype)), []).append(
+                (piece, view)
+            )
+        ranked = sorted(views.values(), key=lambda group: -sum(v.nbytes for _, v in group))
+        chosen = [g for g in ranked if sum(v.nbytes for _, v in g) >= min_adopt_bytes][:max_adopted]
+        taken = {id(p) for g in chosen for p, _ in g}
+        rest += [p for g in ranked for p, _ in g if id(p) not in taken]
+
+        adopted, specs, entries = [], [], []
+        for index, group in enumerate(chosen):
+            storage = group[0][1].untyped_storage()
+            base = torch.empty(0, dtype=torch.uint8, device=group[0][1].device).set_(storage)
+            adopted.append(base)
+            dtype = dtype_name(group[0][1].dtype)
+            specs.append(BucketSpec(index, dtype, storage.nbytes()))
+            for piece, view in group:
+                entries.append(_view_entry(piece.shard, view, index, storage.data_ptr()))
+        packed_plan = plan_buckets(
+            [EntrySpec(p.shard.name, p.shard.dtype, p.shard.box.lengths, p.shard) for p in rest],
+            bucket_bytes,
+        )
+        shift = len(adopted)
+        by_name = {p.shard.name: p for p in rest}
+        packed = []
+        for b in packed_plan.buckets if rest else ():
+            specs.append(BucketSpec(b.index + shift, b.dtype, b.nbytes))
+        for e in packed_plan.entries:
+            moved = PlacedEntry(e.name, e.dtype, e.shape, e.bucket + shift, e.offset, e.nbytes, e.shard)
+            entries.append(moved)
+            packed.append((moved, by_name[e.name]))
+        sources = {p.shard.name: p for p in pieces}
+        return InPlaceLayout(tuple(adopted), tuple(specs), tuple(entries), tuple(packed), sources)
+
+
+def adoptable_by(exporter: BucketExporter) -> Callable[[torch.Tensor], bool]:
+    """CUDA IPC exports any allocation on its GPU; shared memory only its own files (nothing adopted)."""
+    device = getattr(exporter, "device", None)
+    if exporter.kind != "CudaIPC" or not isinstance(device, torch.device):
+        return lambda t: False
+    return lambda t: t.device == device
+
+
+def _view_entry(shard: TensorShard, view: torch.Tensor, bucket: int, base: int) -> PlacedEntry:
+    esize = view.element_size()
+    offset = view.data_ptr() - base
+    nbytes = math.prod(shard.box.lengths) * esize
+    if view.numel() * esize != nbytes:
+        raise ValueError(f"{shard.name}: in-place view of {view.numel()} elements for a box of {shard.box}")
+    view_of = (tuple(view.shape), tuple(view.stride()))
+    return PlacedEntry(shard.name, shard.dtype, shard.box.lengths, bucket, offset, nbytes, shard, view_of)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the element's width: copies through it keep every bit pattern (a
+    floating-point copy may rewrite NaN payloads)."""
+    return (
+        t
+        if t.dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
+        else t.view(_BITS[t.element_size()])
+    )
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    bits(dst).copy_(bits(src).reshape(dst.shape))

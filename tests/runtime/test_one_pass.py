@@ -1,0 +1,285 @@
+"""The one-pass update on CPU: byte runs of strided views, the gather program compiled from a trainer rank's
+own storage into SGLang's fused parameters, and bit patterns (NaN payloads included) surviving every path.
+
+The trainer's parameters live in one contiguous buffer like Megatron-core's DDP `param_data`; the CUDA IPC
+export of that storage is the GPU part (bench/step_bench.py checks it bitwise on every run). Here the buffer
+itself stands in for the reader's mapping of it: the same bytes at the same offsets.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from colocate_runtime.colocated import strided
+from colocate_runtime.colocated.buckets import (
+    BucketPlan,
+    BucketPlanError,
+    BucketSpec,
+    PlacedEntry,
+    check_plan,
+)
+from colocate_runtime.colocated.gather import compile_gather
+from colocate_runtime.colocated.inplace import InPlaceLayout, copy_bits
+from colocate_runtime.colocated.manifest import (
+    BucketRecord,
+    Manifest,
+    ManifestError,
+    Producer,
+    decode_manifest,
+    encode_manifest,
+)
+from colocate_runtime.colocated.shm import SharedMemoryExporter
+from colocate_runtime.convert import (
+    MegatronLayout,
+    MegatronRank,
+    SGLangLayout,
+    inference_plan,
+    model_spec,
+    trainer_plan,
+)
+from tests.runtime.canonical_pieces import deliver
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of a tensor's storage (a CPU stand-in for reading memory by address)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def gathered(r: strided.Runs, memory: torch.Tensor) -> torch.Tensor:
+    return torch.cat([memory[a : a + n] for a, n in zip(r[0].tolist(), r[1].tolist(), strict=True)])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_runs_read_the_same_bytes_as_the_strided_view(seed: int) -> None:
+    rng = random.Random(seed)
+    base = torch.randint(0, 256, (1 << 14,), dtype=torch.uint8)
+    esize = rng.choice([1, 2, 4])
+    typed = base.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[esize])
+    shape = [rng.randint(1, 5) for _ in range(rng.randint(1, 4))]
+    outer = math.prod(shape)
+    view = typed.view(-1)[: outer * 4].view(*shape, 4)  # contiguous ...
+    view = view[..., rng.randint(0, 1) :: rng.choice([1, 2])]  # ... then sliced into a strided view
+    if rng.random() < 0.5 and view.ndim > 1:
+        view = view.transpose(0, -1).transpose(0, -1)  # same view, other route
+    r = strided.runs(view.storage_offset() * esize, view.shape, view.stride(), esize)
+    assert torch.equal(gathered(r, base), view.contiguous().view(-1).view(torch.uint8))
+    # Adjacent runs are merged: a contiguous view is one run.
+    if view.is_contiguous():
+        assert r[0].numel() == 1
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_sub_boxes_of_a_strided_piece_select_the_right_bytes(seed: int) -> None:
+    rng = random.Random(seed)
+    groups, rows, cols = rng.randint(1, 4), rng.randint(1, 6), rng.randint(1, 5)
+    fused = torch.arange(groups * (rows + 3) * cols, dtype=torch.int16).view(groups * (rows + 3), cols)
+    view = fused.view(groups, rows + 3, cols)[:, 1 : 1 + rows]  # like q rows of interleaved groups
+    logical = view.reshape(groups * rows, cols)
+    offsets = (rng.randrange(groups * rows), rng.randrange(cols))
+    lengths = (rng.randint(1, groups * rows - offsets[0]), rng.randint(1, cols - offsets[1]))
+    whole = strided.runs(view.storage_offset() * 2, view.shape, view.stride(), 2)
+    part = strided.select(whole, strided.box_ranges(logical.shape, offsets, lengths, 2))
+    want = logical[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]]
+    assert torch.equal(gathered(part, flat_bytes(fused)), want.contiguous().view(-1).view(torch.uint8))
+
+
+def test_segments_cut_both_sides_at_each_others_boundaries() -> None:
+    src = (torch.tensor([0, 100]), torch.tensor([6, 4]))
+    dst = (torch.tensor([50, 60, 70]), torch.tensor([3, 3, 4]))
+    s, d, n = strided.segments(src, dst)
+    assert list(zip(s.tolist(), d.tolist(), n.tolist(), strict=True)) == [
+        (0, 50, 3),
+        (3, 60, 3),
+        (100, 70, 4),
+    ]
+    with pytest.raises(ValueError, match="destination"):
+        strided.segments(src, (torch.tensor([0]), torch.tensor([9])))
+    ts, td, tn = strided.tiles(torch.tensor([0]), torch.tensor([1000]), torch.tensor([10]), 4)
+    assert (ts.tolist(), td.tolist(), tn.tolist()) == ([0, 4, 8], [1000, 1004, 1008], [4, 4, 2])
+
+
+SPEC = dict(
+    model_type="qwen3_moe",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    vocab_size=200,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=8,
+    dtype="bfloat16",
+)
+
+
+def random_bits(n: int, generator: torch.Generator) -> torch.Tensor:
+    """bf16 bit patterns of every kind, NaNs with payloads among them (a float copy may rewrite those)."""
+    bits = torch.randint(-(1 << 15), 1 << 15, (n,), dtype=torch.int16, generator=generator)
+    bits[::7] = torch.tensor(0x7FC1, dtype=torch.int16)  # a quiet NaN with a payload
+    bits[3::11] = torch.tensor(-32767, dtype=torch.int16)  # 0x8001: a negative subnormal
+    return bits.view(torch.bfloat16)
+
+
+def megatron_buffer(plan, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The rank's parameters as views of one contiguous buffer, as Megatron-core's DDP holds them."""
+    params = [p for chunk in plan.chunks for p in chunk.params if not p.optional]
+    buffer = random_bits(sum(math.prod(p.shape) for p in params), generator)
+    tensors, at = {}, 0
+    for p in params:
+        n = math.prod(p.shape)
+        tensors[p.names[0]] = buffer[at : at + n].view(p.shape)
+        at += n
+    return buffer, tensors
+
+
+def sglang_arena(plan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SGLang's parameters (fused qkv_proj, gate_up_proj, w13/w2, padded vocabulary) in one arena, so that a
+    destination address is an offset in it."""
+    shapes = plan.param_shapes()
+    arena = torch.zeros(sum(math.prod(s) for s in shapes.values()), dtype=torch.bfloat16)
+    params, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        params[name] = arena[at : at + n].view(shape)
+        at += n
+    return arena, params
+
+
+def as_bits(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.view(torch.int16) for n, t in params.items()}
+
+
+@pytest.mark.parametrize(
+    ("megatron", "rank", "sglang", "sglang_rank"),
+    [
+        (MegatronLayout(), MegatronRank(), SGLangLayout(tp=1), 0),  # whole model, 4 q/k/v groups interleaved
+        (MegatronLayout(), MegatronRank(), SGLangLayout(tp=2, ep=2), 1),  # SGLang holds half of everything
+        (MegatronLayout(tp=2, ep=2), MegatronRank(tp_rank=1, ep_rank=1), SGLangLayout(tp=2, ep=2), 1),
+    ],
+)
+def test_gather_from_trainer_storage_equals_the_reference_conversion_bit_for_bit(
+    megatron: MegatronLayout, rank: MegatronRank, sglang: SGLangLayout, sglang_rank: int
+) -> None:
+    spec = model_spec(SPEC)
+    tplan = trainer_plan(spec, megatron, rank)
+    buffer, tensors = megatron_buffer(tplan, torch.Generator().manual_seed(7))
+    iplan = inference_plan(spec, sglang, sglang_rank)
+    reference = deliver_local(iplan, tplan.convert(tensors))
+
+    layout = InPlaceLayout.compile(
+        tplan.bind(tensors), adoptable=lambda t: True, bucket_bytes=1 << 20, min_adopt_bytes=0
+    )
+    assert len(layout.adopted) == 1 and not layout.packed  # one handle, nothing packed
+    assert all(e.view is not None for e in layout.entries)
+
+    for kernel in (False, True):
+        arena, params = sglang_arena(iplan)
+        read = iplan.read(params)
+        targets = {s.name: v for s, v in read}
+        shards = {s.name: s for s, _ in read}
+        local = {n: t for n, t in targets.items() if n in reference}
+        program = compile_gather(layout.entries, local, shards, torch.device("cpu") if kernel else None)
+        if kernel:  # the tile table the GPU kernel runs, applied byte by byte here
+            assert not program.slow and set(program.tables) == {0}
+            table = program.tables[0]
+            memory, out = flat_bytes(buffer), flat_bytes(arena)
+            shift = table.dst_base.data_ptr() - out.data_ptr()
+            for s, d, n in table.tiles.tolist():
+                out[shift + d : shift + d + n] = memory[s : s + n]
+        else:
+            program.copy_slow(lambda index: flat_bytes(buffer))
+        for name, (where, want) in reference.items():
+            assert torch.equal(targets[name][where].view(torch.int16), want.view(torch.int16)), name
+
+
+def deliver_local(iplan, pieces) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
+    """Reference: the part of each SGLang target that this trainer rank holds (where in the target, data),
+    cut from the converted pieces."""
+    out = {}
+    by_name = {s.name: (s, d) for s, d in pieces}
+    for target in iplan.shards():
+        if target.name not in by_name:
+            continue
+        source, data = by_name[target.name]
+        common = target.box.intersect(source.box)
+        if common is not None:
+            where = common.relative_to(target.box).slices()
+            out[target.name] = (where, data[common.relative_to(source.box).slices()])
+    return out
+
+
+def test_the_reference_conversion_keeps_nan_payloads() -> None:
+    """The reference used above really is bitwise (else the comparison would prove nothing about bits)."""
+    spec = model_spec(SPEC)
+    tplan = trainer_plan(spec, MegatronLayout(), MegatronRank())
+    _, tensors = megatron_buffer(tplan, torch.Generator().manual_seed(3))
+    pieces = tplan.convert(tensors)
+    params = deliver(inference_plan(spec, SGLangLayout(tp=1), 0), pieces)
+    back = torch.cat([t.reshape(-1).view(torch.int16) for t in params.values()])
+    assert int((back == 0x7FC1).sum()) > 0  # payload NaNs arrived unchanged
+
+
+def test_packed_pieces_keep_bits_and_adopt_nothing_without_exportable_memory(tmp_path) -> None:
+    spec = model_spec(SPEC)
+    tplan = trainer_plan(spec, MegatronLayout(), MegatronRank())
+    _, tensors = megatron_buffer(tplan, torch.Generator().manual_seed(5))
+    exporter = SharedMemoryExporter(tmp_path, "GPU-test")
+    layout = InPlaceLayout.compile(tplan.bind(tensors), adoptable=lambda t: False, bucket_bytes=1 << 16)
+    assert not layout.adopted and all(e.view is None for e in layout.entries)
+    buckets = layout.stage(exporter, "g1-s1")
+    try:
+        memory = {b.index: b.tensor for b in buckets}
+        for e, source in layout.packed:
+            got = memory[e.bucket][e.offset : e.offset + e.nbytes]
+            assert torch.equal(got, source.data().contiguous().view(-1).view(torch.uint8)), e.name
+    finally:
+        exporter.free(buckets)
+
+
+def test_copy_bits_keeps_nan_payloads() -> None:
+    src = random_bits(4096, torch.Generator().manual_seed(1))
+    dst = torch.zeros(4096, dtype=torch.bfloat16)
+    copy_bits(dst, src)
+    assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+
+
+def view_entry(view: tuple, offset: int = 0) -> PlacedEntry:
+    return PlacedEntry("w", "bfloat16", (4, 8), 0, offset, 64, None, view)
+
+
+def test_manifest_carries_views_and_refuses_ones_that_leave_their_storage() -> None:
+    good = view_entry(((2, 2, 8), (24, 8, 1)))
+    plan = BucketPlan((BucketSpec(0, "bfloat16", 80),), (good,))
+    check_plan(plan)
+    for bad, why in [
+        (view_entry(((2, 2, 8), (24, 8, 1)), offset=2), "leaves bucket"),  # its last element ends past byte 80
+        (view_entry(((2, 2, 8), (24, 8, 1)), offset=1), "misaligned"),
+        (view_entry(((2, 3, 8), (24, 8, 1))), "does not describe"),
+        (view_entry(((32,), (-1,))), "does not describe"),
+    ]:
+        with pytest.raises(BucketPlanError, match=why):
+            check_plan(BucketPlan(plan.buckets, (bad,)))
+
+    def manifest(entry: PlacedEntry) -> bytes:
+        m = Manifest(
+            "j",
+            "ns",
+            1,
+            1,
+            "GPU-x",
+            "1",
+            "SharedMemory",
+            Producer(0, 0, 1, "h"),
+            (BucketRecord(0, "bfloat16", 80, {"kind": "SharedMemory"}),),
+            (entry,),
+        )
+        return encode_manifest(m)
+
+    assert decode_manifest(manifest(good)).entries[0].view == ((2, 2, 8), (24, 8, 1))
+    with pytest.raises(ManifestError, match="leaves bucket"):
+        decode_manifest(manifest(view_entry(((2, 2, 8), (24, 8, 1)), offset=32)))
