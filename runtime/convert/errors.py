@@ -22,9 +22,15 @@ class UnsupportedLayoutError(ConvertError):
 
 
 class MissingTensorError(ConvertError):
-    def __init__(self, where: str, missing: Sequence[str]) -> None:
+    def __init__(self, where: str, missing: Sequence[str], unclaimed: Sequence[str] = ()) -> None:
+        """`unclaimed`: what the rank holds that no rule took (name and shape), so an unsupported layout is
+        named by what the rank actually holds."""
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        super().__init__(f"{where}: {len(missing)} expected tensor(s) missing: {shown}")
+        held = ""
+        if unclaimed:
+            more = f" and {len(unclaimed) - 8} more" if len(unclaimed) > 8 else ""
+            held = f"; the rank holds instead: {', '.join(unclaimed[:8])}{more}"
+        super().__init__(f"{where}: {len(missing)} expected tensor(s) missing: {shown}{held}")
 
 
 class UnexpectedTensorError(ConvertError):

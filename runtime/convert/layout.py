@@ -37,6 +37,7 @@ class Role(Enum):
     REPLICATED = "replicated"
     ATTENTION = "attention"
     MLP = "mlp"  # dense MLP layers and shared experts
+    MLA_DOWN = "mla_down"  # MLA q/kv down projections: TP-split or duplicated, as the trainer's spec has it
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -56,12 +57,15 @@ class RankGroups:
     lm_head: Group
     lm_head_rows: int
     kv_replication: bool  # may the attention group be larger than the KV head count (SGLang replicates)
+    mla_down: Group = SOLO
 
     def of(self, role: Role) -> Group:
         if role is Role.ATTENTION:
             return self.attention
         if role is Role.MLP:
             return self.mlp
+        if role is Role.MLA_DOWN:
+            return self.mla_down
         return SOLO
 
 
@@ -169,6 +173,10 @@ class MegatronLayout:
     etp: int | None = None  # expert tensor parallel size; None = tp, Megatron-core's default
     pipeline: PipelineLayout | None = None  # None: one stage holding every layer
     vocab_divisor: int = 128  # make_vocab_size_divisible_by; Megatron pads the vocab to divisor * tp
+    # MLA `linear_q_down_proj` / `linear_kv_down_proj`: column-parallel over TP (rows split: Megatron's local
+    # spec in every release, its Transformer-Engine spec before 0.14) or duplicated on every TP rank
+    # (TELinear, the Transformer-Engine spec from 0.14).
+    mla_down_split: bool = False
 
     @property
     def expert_tp(self) -> int:
@@ -203,6 +211,7 @@ class MegatronLayout:
             lm_head=tp,
             lm_head_rows=rows,
             kv_replication=False,  # Megatron needs num_query_groups divisible by TP
+            mla_down=tp if self.mla_down_split else SOLO,
         )
 
 

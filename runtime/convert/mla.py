@@ -1,10 +1,12 @@
 """Multi-head latent attention (DeepSeek-V2/V3 style).
 
-Recent Megatron-core builds the down projections (`linear_q_down_proj`, `linear_kv_down_proj`) duplicated on
-every TP rank, so they are whole on each trainer rank; a build that splits them fails the shape check instead
-of emitting tp-times too many rows. SGLang holds them as one ReplicatedLinear `fused_qkv_a_proj_with_mqa`, the
-plain concatenation [q_a; kv_a], unsharded on every rank. An interleaved [q_0; kv_0; q_1; kv_1; ...] has the
-same shape, so only values tell the two apart: tests pin the plain concatenation.
+Megatron-core builds the down projections (`linear_q_down_proj`, `linear_kv_down_proj`) either column-parallel
+(each TP rank holds a contiguous row range: the local spec, and the Transformer-Engine spec before 0.14) or
+duplicated on every TP rank (TELinear, the Transformer-Engine spec from 0.14); `MegatronLayout.mla_down_split`
+says which, and the other fails the shape check naming the shape the rank holds. SGLang holds them as one
+ReplicatedLinear `fused_qkv_a_proj_with_mqa`, the plain concatenation [q_a; kv_a], unsharded on every rank. An
+interleaved [q_0; kv_0; q_1; kv_1; ...] has the same shape, so only values tell the two apart: tests pin the
+plain concatenation.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class MultiLatentAttention:
                 tensor("kv_a_proj_with_mqa.weight", mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
                 (ATTN + "linear_kv_down_proj.weight",),
                 None if fused_a else f"{p}.kv_a_proj_with_mqa.weight",
+                Role.MLA_DOWN,
             ),
             Direct(
                 tensor("kv_a_layernorm.weight", mla.kv_lora_rank),
@@ -77,6 +80,7 @@ class MultiLatentAttention:
                     tensor("q_a_proj.weight", mla.q_lora_rank, hidden),
                     (ATTN + "linear_q_down_proj.weight",),
                     None,
+                    Role.MLA_DOWN,
                 ),
                 Direct(
                     tensor("q_a_layernorm.weight", mla.q_lora_rank),

@@ -120,7 +120,8 @@ class TrainerRankPlan:
                 if not param.optional:
                     missing.append(param.names[0])
         if missing:
-            raise MissingTensorError(where, missing)
+            unclaimed = [f"{n} {tuple(named[n].shape)}" for n in sorted(set(named) - used)]
+            raise MissingTensorError(where, missing, unclaimed)
         if len(used) != len(named):
             raise UnexpectedTensorError(where, sorted(set(named) - used))
         return chosen
