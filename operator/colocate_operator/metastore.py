@@ -36,9 +36,19 @@ class MetaStoreEndpoint:
     address: str
     secret_name: str
     secret_key: str
+    # Whether the operator may dial it with the password: its own Managed Redis always, an External one only
+    # when the operator's allow-list names it (addresses.py). A refused job gets no pods.
+    allowed: bool = True
 
     def status(self) -> dict[str, str]:
         return {"mode": self.mode, "address": self.address, "secretName": self.secret_name}
+
+    def refusal(self) -> str:
+        return (
+            f"external Redis address {self.address} is not on the operator's allow-list (chart value "
+            "externalMetaStore.allowedAddresses, COLOCATE_EXTERNAL_METASTORE_ALLOW): ask the operator's "
+            "administrator to add it"
+        )
 
 
 def endpoint(job: ColocateJob, config: OperatorConfig) -> MetaStoreEndpoint:
@@ -46,7 +56,9 @@ def endpoint(job: ColocateJob, config: OperatorConfig) -> MetaStoreEndpoint:
     if store.mode == "External":
         assert store.external is not None  # the CRD requires it for External
         ref = store.external.password_secret_ref
-        return MetaStoreEndpoint("External", store.external.address, ref.name, ref.key)
+        address = store.external.address
+        allowed = config.external_metastore_allow.allows(address)
+        return MetaStoreEndpoint("External", address, ref.name, ref.key, allowed)
     host = names.service_fqdn(names.metastore(job.ref.name), job.ref.namespace, config.cluster_domain)
     return MetaStoreEndpoint(
         "Managed", f"{host}:{REDIS_PORT}", names.metastore_secret(job.ref.name), SECRET_PASSWORD_KEY

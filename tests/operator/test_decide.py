@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from colocate_operator import conditions, names
+from colocate_operator.addresses import AddressAllowList
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import Cond, Phase, Reason
@@ -20,7 +21,7 @@ from tests.operator import factories
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = OperatorConfig()
+CONFIG = OperatorConfig(external_metastore_allow=AddressAllowList.parse("redis:6379"))  # the External tests
 INFRA = frozenset(
     {
         "Secret/demo-metastore-auth",
