@@ -53,6 +53,8 @@ class Cluster:
     components: list[Component] = field(default_factory=list)
     server: str = ""
     token: str = ""
+    # How to tell that a restarted component serves again (only components something waits on).
+    _ready: dict[str, Callable[[], bool]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.bin_dir = find_bin_dir(self.spec.bin_dir)
@@ -94,6 +96,36 @@ class Cluster:
         state = self.workdir / STATE_FILE
         if state.exists():
             state.unlink()
+
+    def stop_component(self, name: str) -> None:
+        """Stop one component (SIGTERM, then SIGKILL): every client's connections and watches to it break.
+        `start_component` brings it back; only in the process that started the cluster (a loaded one does
+        not know the command lines)."""
+        self._own(name).stop()
+        self._say(f"stopped {name}")
+
+    def start_component(self, name: str) -> None:
+        """Start a stopped component again with the same command line (same ports, same data, as after a
+        crash or an in-place upgrade) and wait until it serves (the apiserver: /readyz)."""
+        component = self._own(name)
+        if component.alive():
+            raise ClusterError(f"{name} is running; stop it first")
+        self._say(f"starting {name} again")
+        component.start()
+        self._write_state()
+        if name in self._ready:
+            component.wait_until(self._ready[name], self.spec.ready_timeout, "ready after a restart")
+
+    def restart(self, name: str, down_seconds: float = 0.0) -> None:
+        self.stop_component(name)
+        time.sleep(down_seconds)
+        self.start_component(name)
+
+    def _own(self, name: str) -> Component:
+        component = next((c for c in self.components if c.name == name), None)
+        if component is None or not component.argv:
+            raise ClusterError(f"no component {name!r} started by this process; have {self.status()}")
+        return component
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -205,9 +237,10 @@ class Cluster:
             "--profiling=false",
             *self.spec.extra_apiserver_args,
         )
-        apiserver.wait_until(
-            lambda: http_ok(f"{self.server}/readyz", token=self.token, ca=pki.ca_cert), timeout, "ready"
+        self._ready["kube-apiserver"] = lambda: http_ok(
+            f"{self.server}/readyz", token=self.token, ca=pki.ca_cert
         )
+        apiserver.wait_until(self._ready["kube-apiserver"], timeout, "ready")
         self.kubeconfig.write_text(yaml.safe_dump(manifests.kubeconfig(self.server, pki.ca_cert, self.token)))
         self._write_state()
 
