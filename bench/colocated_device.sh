@@ -6,6 +6,8 @@
 #                .git/info/exclude keeps out of git; the device tool carries it)
 # On the H200:  device run, carry [".device"], command "bash bench/colocated_device.sh test"
 #               device run, carry [".device"], command "bash bench/colocated_device.sh bench --size-gb 8 16"
+#               device run, carry [".device"], command "bash bench/colocated_device.sh step --preset qwen3-8b"
+#               (a whole step, trainer layout to SGLang's fused parameters: bench/step_bench.py)
 #               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py; "copy --size-gb 8"
 #                compares ways to do the copy phase alone, against one flat copy)
 set -euo pipefail
@@ -45,12 +47,14 @@ setup_device() {
 
 run_tests() {
     # --noconftest: tests/conftest.py starts the local Kubernetes control plane, which these tests do not use.
-    python3 -m pytest tests/runtime/test_colocated_gpu.py -m gpu -v --noconftest -p no:cacheprovider
+    python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py -m gpu -v --noconftest \
+        -p no:cacheprovider
 }
 
 run_all_gpu_tests() {
     # Every GPU test of the repository (colocated CUDA IPC, p2p over NCCL, the reshard exchange).
-    NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_p2p_exec.py \
+    NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
+        tests/runtime/test_p2p_exec.py \
         tests/runtime/test_colocated_exchange.py -m gpu -v --noconftest -p no:cacheprovider
 }
 
@@ -64,6 +68,7 @@ case "${1:-}" in
     gpu-tests) setup_device; run_all_gpu_tests ;;
     bench) shift; setup_device; run_bench "$@" ;;
     copy) shift; setup_device; run_bench --role copy "$@" ;;
+    step) shift; setup_device; python3 bench/step_bench.py "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [bench args]|copy [bench args]|all [bench args]"; exit 2 ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|all [args]"; exit 2 ;;
 esac

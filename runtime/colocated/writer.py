@@ -31,7 +31,13 @@ from colocate_runtime.colocated import checksum
 from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.events import StepEvent
-from colocate_runtime.colocated.inplace import InPlaceLayout, SourcePiece, adoptable_by, copy_bits
+from colocate_runtime.colocated.inplace import (
+    MIN_ADOPT_BYTES,
+    InPlaceLayout,
+    SourcePiece,
+    adoptable_by,
+    copy_bits,
+)
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id, process_gone
 from colocate_runtime.colocated.manifest import (
     Ack,
@@ -271,10 +277,15 @@ class WeightWriter:
         staged = _Staged(plan.buckets, plan.entries, buckets, tensors.__getitem__)
         return self._announce(gen, step, weight_version, staged, t0)
 
-    def in_place_layout(self, pieces: Sequence[SourcePiece]) -> InPlaceLayout:
+    def in_place_layout(
+        self, pieces: Sequence[SourcePiece], *, min_adopt_bytes: int = MIN_ADOPT_BYTES
+    ) -> InPlaceLayout:
         """Compile once per layout (e.g. `trainer_plan(...).bind(model chunks)`) for `publish_in_place`."""
         return InPlaceLayout.compile(
-            pieces, adoptable=adoptable_by(self.exporter), bucket_bytes=self.settings.bucket_bytes
+            pieces,
+            adoptable=adoptable_by(self.exporter),
+            bucket_bytes=self.settings.bucket_bytes,
+            min_adopt_bytes=min_adopt_bytes,
         )
 
     def publish_in_place(

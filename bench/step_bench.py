@@ -1,0 +1,394 @@
+"""A whole colocated weight-sync step on one GPU, trainer process to SGLang process, through a real Redis.
+
+Timed from "the trainer's step is done" to "SGLang's parameters are written, the verified close is done and
+the trainer holds the ACK" (`publish` + `wait_and_free`), beside one flat device copy of the same bytes (the
+floor). The trainer holds a Megatron-core rank in its own layout; the SGLang side holds its fused layout
+(`qkv_proj`, `gate_up_proj`, stacked experts `w13_weight`/`w2_weight`, padded vocabulary), every parameter
+allocated separately as SGLang does.
+
+Modes (trainer side):
+  inplace    parameters as views of one contiguous buffer (Megatron-core DDP's `param_data`); the one-pass
+             update: the buffer's storage is published, the reader gathers straight into the fused
+             parameters (runtime/colocated/inplace.py, gather.py)
+  separate   one allocation per parameter (no DDP buffer): nothing large enough to export, so pieces are
+             converted and packed into buckets, then copied (the fallback)
+  packed     the DDP buffer, converted and packed every step (the path before the one-pass update)
+
+Every run checks the installed bytes against the reference conversion (`TrainerRankPlan.convert`), bit for
+bit, over every canonical piece (random bit patterns, NaN payloads included). Figures are medians of the
+timed steps (after one warm-up); one JSON line per preset and mode goes to bench/results/step.jsonl.
+
+    python bench/step_bench.py --preset qwen3-30b-a3b qwen3-30b-a3b-tp2ep8 qwen3-8b   # on an H200
+    python bench/step_bench.py --device cpu --preset tiny                             # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import runtime_path  # noqa: F401  (maps colocate_runtime onto ./runtime when not installed)
+from colocated_bench import start_redis
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "step.jsonl"
+MODES = ("inplace", "separate", "packed")
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    dtype="bfloat16",
+)
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    intermediate_size=12288,
+    dtype="bfloat16",
+)
+TINY = dict(QWEN3_30B_A3B, hidden_size=64, num_hidden_layers=2, head_dim=16, vocab_size=1000, num_experts=8)
+TINY.update(intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A trainer rank and the SGLang rank on the same GPU: (megatron layout kwargs, rank kwargs), (sglang
+    layout kwargs, tp rank). The reader's targets are the parts of its parameters this trainer rank holds;
+    the rest of a resharded step crosses GPUs (the exchange), which one GPU cannot show."""
+
+    model: dict
+    megatron: dict
+    rank: dict
+    sglang: dict
+    sglang_rank: int
+
+
+PRESETS = {
+    "qwen3-30b-a3b": Preset(QWEN3_30B_A3B, {}, {}, {"tp": 1}, 0),
+    # A TP2-EP8 trainer rank (attention TP rank 0, experts 48..63) under SGLang TP2 EP2 rank 0 (experts 0-63).
+    "qwen3-30b-a3b-tp2ep8": Preset(
+        QWEN3_30B_A3B, {"tp": 2, "ep": 8, "etp": 1}, {"ep_rank": 3}, {"tp": 2, "ep": 2}, 0
+    ),
+    "qwen3-8b": Preset(QWEN3_8B, {}, {}, {"tp": 1}, 0),
+    "tiny": Preset(TINY, {"tp": 2, "ep": 2, "etp": 1}, {}, {"tp": 2, "ep": 2}, 0),
+}
+
+
+def plans(preset: Preset):  # type: ignore[no-untyped-def]
+    from colocate_runtime.convert import (
+        MegatronLayout,
+        MegatronRank,
+        SGLangLayout,
+        inference_plan,
+        model_spec,
+        trainer_plan,
+    )
+
+    spec = model_spec(preset.model)
+    tplan = trainer_plan(spec, MegatronLayout(**preset.megatron), MegatronRank(**preset.rank))
+    iplan = inference_plan(spec, SGLangLayout(**preset.sglang), preset.sglang_rank)
+    return tplan, iplan
+
+
+def digest(t):  # type: ignore[no-untyped-def]
+    """Position-weighted sums of a tensor's raw 16-bit words: equal bits, equal digests (any device)."""
+    import torch
+
+    words = t.contiguous().view(-1).view(torch.int16)
+    plain = weighted = 0
+    for start in range(0, words.numel(), 1 << 26):
+        w = words[start : start + (1 << 26)].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        plain += int(w.sum())
+        weighted += int((w * pos).sum())
+    return [int(words.numel()), plain, weighted]
+
+
+# --- SGLang side --------------------------------------------------------------------------------------------
+
+
+def run_reader(args: argparse.Namespace) -> None:
+    import torch
+
+    from colocate_runtime.colocated.config import ColocateConfig
+    from colocate_runtime.colocated.wiring import new_reader
+    from colocate_runtime.shards import TensorShard
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    tplan, iplan = plans(PRESETS[args.preset[0]])
+    dtype = getattr(torch, iplan.spec.dtype)
+    params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in iplan.param_shapes().items()}
+    held = {s.name: s for s in tplan.shards()}
+    targets, shards = {}, {}
+    for shard, view in iplan.read(params):  # each target cut to what this GPU's trainer rank holds
+        source = held.get(shard.name)
+        common = None if source is None else shard.box.intersect(source.box)
+        if common is None:
+            continue
+        targets[shard.name] = view[common.relative_to(shard.box).slices()]
+        shards[shard.name] = TensorShard(shard.name, shard.global_shape, shard.dtype, common)
+    reader = new_reader(ColocateConfig.from_env(os.environ), targets, target_shards=shards, device=device)
+    steps = []
+    for _ in range(args.steps):
+        report = reader.apply_next(timeout_s=600)
+        steps.append(report.phase_seconds)
+    digests = {name: digest(t) for name, t in targets.items()}
+    reader.close()
+    print(json.dumps({"reader": steps, "digests": digests}), flush=True)
+
+
+# --- trainer side -------------------------------------------------------------------------------------------
+
+
+def megatron_rank(tplan, mode: str, device):  # type: ignore[no-untyped-def]
+    """The rank's parameters, random bit patterns: views of one buffer, or one allocation each."""
+    import math
+
+    import torch
+
+    params = [p for chunk in tplan.chunks for p in chunk.params if not p.optional]
+    dtype = getattr(torch, tplan.spec.dtype)
+    total = sum(math.prod(p.shape) for p in params)
+    if mode == "separate":
+        tensors = {p.names[0]: torch.empty(p.shape, dtype=dtype, device=device) for p in params}
+        for t in tensors.values():
+            t.view(torch.int16).random_()
+        return None, tensors, total
+    buffer = torch.empty(total, dtype=dtype, device=device)
+    buffer.view(torch.int16).random_()
+    tensors, at = {}, 0
+    for p in params:
+        n = math.prod(p.shape)
+        tensors[p.names[0]] = buffer[at : at + n].view(p.shape)
+        at += n
+    return buffer, tensors, total
+
+
+def flat_copy_seconds(nbytes: int, device, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
+    """The floor: one device copy of `nbytes` between two flat buffers, best of `repeat`."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return best
+
+
+def sync(device) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password: str, shm: Path) -> dict:
+    import torch
+
+    from colocate_runtime.colocated.config import ColocateConfig
+    from colocate_runtime.colocated.wiring import new_writer
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    tplan, _ = plans(PRESETS[name])
+    nbytes = sum(s.box.numel for s in tplan.shards()) * 2
+    floor_s = flat_copy_seconds(nbytes, device)  # before either side holds the model: memory for the twin
+    env = {
+        "COLOCATE_JOB_NAME": "bench",
+        "COLOCATE_NAMESPACE": "bench",
+        "COLOCATE_METASTORE_ADDR": f"127.0.0.1:{port}",
+        "COLOCATE_METASTORE_PASSWORD": password,
+        "COLOCATE_TRANSPORT": "CudaIPC" if args.device == "cuda" else "SharedMemory",
+        "COLOCATE_SHM_DIR": str(shm),
+        "COLOCATE_BUCKET_MB": str(args.bucket_mb),
+        "COLOCATE_STEP_TIMEOUT_SECONDS": "600",
+    }
+    _, tensors, _ = megatron_rank(tplan, mode, device)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "reader",
+            "--preset",
+            name,
+            "--device",
+            args.device,
+            "--steps",
+            *[str(args.steps)],
+        ],
+        env={
+            **os.environ,
+            **env,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    writer = new_writer(ColocateConfig.from_env(env), device=device if device.type == "cuda" else None)
+    steps = []
+    try:
+        t0 = time.perf_counter()
+        pieces = tplan.bind(tensors)
+        adopt = args.min_adopt_mb << 20
+        layout = writer.in_place_layout(pieces, min_adopt_bytes=adopt) if mode != "packed" else None
+        compile_s = time.perf_counter() - t0
+        for step in range(1, args.steps + 1):
+            next(iter(tensors.values())).view(torch.int16)[::4096].add_(step)  # the training step's writes
+            sync(device)
+            t0 = time.perf_counter()
+            if layout is None:
+                converted = tplan.convert(tensors)
+                t_convert = time.perf_counter()
+                pending = writer.publish(
+                    step, {s.name: d for s, d in converted}, shards={s.name: s for s, _ in converted}
+                )
+            else:
+                t_convert = t0
+                pending = writer.publish_in_place(step, layout)
+            report = writer.wait_and_free(pending)
+            total = time.perf_counter() - t0
+            steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
+        stdout, _ = reader.communicate(timeout=1200)
+    finally:
+        writer.close()
+        if reader.poll() is None:
+            reader.kill()
+    if reader.returncode != 0:
+        sys.exit(f"the reader process failed (exit {reader.returncode})")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    want = {s.name: digest(d) for s, d in ((p.shard, p.data()) for p in pieces)}
+    wrong = sorted(n for n, d in result["digests"].items() if want.get(n) != d)
+    missing = sorted(set(want) - set(result["digests"]))
+    timed = steps[1:] or steps
+    reader_timed = result["reader"][1:] or result["reader"]
+
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in rows) * 1e3
+
+    adopted = 0 if layout is None else len(layout.adopted)
+    packed = nbytes if layout is None else layout.packed_bytes
+    return {
+        "preset": name,
+        "mode": mode,
+        "ms": med(timed, "total"),
+        "floor_ms": floor_s * 1e3,
+        "gb": nbytes / 1e9,
+        "phases_ms": {
+            "convert": med(timed, "convert"),
+            "pack": med(timed, "pack"),
+            "publish": med(timed, "publish"),
+            "open": med(reader_timed, "open"),
+            "copy": med(reader_timed, "copy"),
+            "close": med(reader_timed, "close"),
+            "ack": med(reader_timed, "ack"),
+            "wait_ack": med(timed, "wait_ack"),
+            "free": med(timed, "free"),
+        },
+        "compile_s": compile_s,
+        "handles": adopted,
+        "packed_gb": packed / 1e9,
+        "pieces": len(pieces),
+        "bitwise": not wrong and not missing,
+        "wrong": wrong[:5],
+        "missing": missing[:5],
+        "steps": args.steps,
+    }
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", choices=("bench", "reader"), default="bench")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["qwen3-30b-a3b-tp2ep8"])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--steps", type=int, default=4, help="steps per mode; the first is a warm-up")
+    p.add_argument("--bucket-mb", type=int, default=2048)
+    p.add_argument("--min-adopt-mb", type=int, default=256, help="smallest storage exported in place")
+    p.add_argument("--no-save", action="store_true", help="do not append to bench/results/step.jsonl")
+    args = p.parse_args()
+    if args.role == "reader":
+        run_reader(args)
+        return
+    command = "python bench/step_bench.py " + shlex.join(sys.argv[1:])
+    print(f"# {command}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        redis_proc, port, password = start_redis(Path(tmp))
+        try:
+            for name in args.preset:
+                for mode in args.modes:
+                    print(f"# {name} {mode} ...", flush=True)
+                    row = run_mode(args, name, mode, port, password, Path(tmp))
+                    row.update(device=device_name(args.device), commit=commit(), command=command)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if not args.no_save:
+                        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                        with RESULTS.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+        finally:
+            redis_proc.kill()
+    print()
+    head = f"{'preset':<24}{'mode':<10}{'GB':>7}{'ms':>9}{'floor':>8}{'x':>7}  phases ms (median)"
+    print(head)
+    for r in rows:
+        phases = " ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items() if v >= 0.05)
+        print(
+            f"{r['preset']:<24}{r['mode']:<10}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['floor_ms']:>8.1f}"
+            f"{r['ms'] / r['floor_ms']:>7.1f}  {phases}  handles {r['handles']}"
+            f" packed {r['packed_gb']:.2f} GB"
+            f"  bitwise {'yes' if r['bitwise'] else 'NO ' + str(r['wrong'] + r['missing'])}"
+        )
+    if not all(r["bitwise"] for r in rows):
+        sys.exit("installed bytes differ from the reference conversion")
+
+
+if __name__ == "__main__":
+    main()
