@@ -17,7 +17,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok, with 4 fake GPU nodes of 8
     GPUs (extended resource and DRA devices) and one CPU node. KUBECONFIG points at it for the session."""
     workdir = tmp_path_factory.mktemp("devcluster")
-    cluster = Cluster(ClusterSpec(workdir=workdir, gpu_nodes=4, gpus_per_node=8))
+    cluster = Cluster(
+        ClusterSpec(
+            workdir=workdir,
+            gpu_nodes=4,
+            gpus_per_node=8,
+            # On in OpenShift and hardened clusters: setting blockOwnerDeletion needs the owner's finalizers
+            # (the chart must grant colocatejobs/finalizers, and the operator runs under the chart's RBAC).
+            extra_apiserver_args=("--enable-admission-plugins=OwnerReferencesPermissionEnforcement",),
+        )
+    )
     cluster.start()
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)

@@ -4,17 +4,14 @@ upgrade and uninstall on the local control plane."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from colocate_devcluster import Cluster
-from tests.kube import get_json, wait_for
+from tests.kube import CHART, get_json, helm, render_chart, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "colocate-operator"
 
 VALUE_SETS: dict[str, list[str]] = {
     "defaults": [],
@@ -31,21 +28,8 @@ VALUE_SETS: dict[str, list[str]] = {
 }
 
 
-def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(cluster.bin_dir / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
 def render(cluster: Cluster, *values: str, namespace: str = "colocate-system") -> list[dict]:
-    out = helm(cluster, "template", "rel", str(CHART), "--namespace", namespace, *values).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+    return render_chart(cluster, *values, namespace=namespace)
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
@@ -108,6 +92,71 @@ def test_rbac_is_cluster_wide_or_limited_to_listed_namespaces(cluster: Cluster) 
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
     # No write verb on secrets anywhere cluster-wide when limited to namespaces.
     assert not any("secrets" in rule.get("resources", []) for rule in discovery["rules"])
+
+
+# Every verb the operator uses and nothing more (H2, M1); the integration suite runs the operator under these.
+OPERATOR_RULES = {
+    ("colocate.dev", "colocatejobs"): {"get", "list", "watch", "delete"},
+    ("colocate.dev", "colocatejobs/status"): {"patch"},
+    ("colocate.dev", "colocatejobs/finalizers"): {"update"},
+    ("", "pods"): {"get", "list", "watch", "create", "delete"},
+    ("", "services"): {"get", "create"},
+    ("", "secrets"): {"get", "create"},
+    ("", "events"): {"create"},
+    ("apps", "deployments"): {"get", "list", "watch", "create"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create"},
+    ("resource.k8s.io", "resourceclaimtemplates"): {"get", "create"},
+    ("resource.k8s.io", "resourceclaims"): {"get"},
+}
+
+
+def grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    table: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                table.setdefault((group, resource), set()).update(rule["verbs"])
+    return table
+
+
+@pytest.mark.integration
+def test_rbac_grants_only_the_verbs_the_operator_uses(cluster: Cluster) -> None:
+    wide = {r["metadata"]["name"]: r for r in by_kind(render(cluster), "ClusterRole")}
+    assert grants(wide["rel-colocate-operator"]) == OPERATOR_RULES
+    discovery = {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("resource.k8s.io", "deviceclasses"): {"get"},
+    }
+    # Cluster-wide, kopf needs no namespaces; watching listed ones, it follows them appearing.
+    assert grants(wide["rel-colocate-operator-discovery"]) == discovery
+    narrow = render(cluster, *VALUE_SETS["namespaced"])
+    (cluster_role,) = by_kind(narrow, "ClusterRole")
+    assert grants(cluster_role) == {**discovery, ("", "namespaces"): {"list", "watch"}}
+    for role in by_kind(narrow, "Role"):
+        assert grants(role) == OPERATOR_RULES
+    assert not any("*" in verbs for verbs in grants(wide["rel-colocate-operator"]).values())
+
+
+@pytest.mark.integration
+def test_external_metastore_allow_list_reaches_the_operator(cluster: Cluster) -> None:
+    def env(*values: str) -> dict[str, str]:
+        (deployment,) = by_kind(render(cluster, *values), "Deployment")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    assert "COLOCATE_EXTERNAL_METASTORE_ALLOW" not in env(), "none by default: External is refused"
+    allowed = env("--set", "externalMetaStore.allowedAddresses={redis.shared.example.com:6379,10.20.0.0/16}")
+    assert allowed["COLOCATE_EXTERNAL_METASTORE_ALLOW"] == "redis.shared.example.com:6379,10.20.0.0/16"
+    bad = helm(
+        cluster,
+        "template",
+        "rel",
+        str(CHART),
+        "--set",
+        "externalMetaStore.allowedAddresses={a b}",
+        check=False,
+    )
+    assert bad.returncode != 0 and "schema" in bad.stderr.lower()
 
 
 @pytest.mark.integration

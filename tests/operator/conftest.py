@@ -1,4 +1,6 @@
-"""Fixtures for the operator's integration tests: the CRD installed once, the operator as a subprocess."""
+"""Fixtures for the operator's integration tests: the CRD installed once, the operator as a subprocess that
+runs under the Helm chart's own ServiceAccount and RBAC (not as cluster admin), so a verb the chart lacks
+fails a test: the request is refused, and the fixture fails any test whose operator log shows a refusal."""
 
 from __future__ import annotations
 
@@ -13,19 +15,28 @@ from pathlib import Path
 
 import pytest
 
+from colocate_devcluster import Cluster
 from colocate_devcluster.processes import free_port
+from tests.kube import ChartIdentity, chart_identity, forbidden_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
 
 
 class OperatorProcess:
-    """`python -m colocate_operator` watching one namespace, its JSON log kept in a file."""
+    """`python -m colocate_operator` watching one namespace as the chart runs it (its ServiceAccount's token,
+    its container's environment), its JSON log kept in a file."""
 
-    def __init__(self, namespace: str, log_path: Path, **env: str) -> None:
+    def __init__(self, namespace: str, log_path: Path, identity: ChartIdentity, **env: str) -> None:
         self.namespace = namespace
         self.log_path = log_path
-        self.env = {"COLOCATE_RECONCILE_INTERVAL_SECONDS": "2", **env}
+        self.identity = identity
+        self.env = {
+            **identity.env,
+            "COLOCATE_RECONCILE_INTERVAL_SECONDS": "2",
+            **env,
+            "KUBECONFIG": str(identity.kubeconfig),
+        }
         self.process: subprocess.Popen[bytes] | None = None
         self.port = self.metrics_port = 0
 
@@ -89,10 +100,26 @@ def crd(cluster) -> Path:
     return CRD_PATH
 
 
+# What the chart is installed with in these tests: the External meta-stores the tests use (the real Redis
+# servers on loopback, the address that waits for its Secret) and nothing else.
+TEST_CHART_VALUES = ("--set", "externalMetaStore.allowedAddresses={127.0.0.1/32,redis.shared.svc:6379}")
+
+
 @pytest.fixture
-def operator_process(crd: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """A started operator for this test's namespace; stopped (and its log printed on failure) afterwards."""
-    process = OperatorProcess(namespace, tmp_path / "operator.log").start()
+def operator_identity(cluster: Cluster, crd: Path, namespace: str, tmp_path: Path) -> ChartIdentity:
+    """The chart's ServiceAccount, RBAC for this test's namespace, and a token for it."""
+    return chart_identity(cluster, namespace, tmp_path, *TEST_CHART_VALUES)
+
+
+@pytest.fixture
+def operator_process(
+    namespace: str, tmp_path: Path, operator_identity: ChartIdentity
+) -> Iterator[OperatorProcess]:
+    """A started operator for this test's namespace; stopped (and its log printed on failure) afterwards.
+    A request the chart's RBAC refused fails the test even when the operator survived it."""
+    process = OperatorProcess(namespace, tmp_path / "operator.log", operator_identity).start()
     yield process
     process.stop()
     print(f"\n[operator log: {process.log_path}]\n{process.log()[-3000:]}", file=sys.stderr)
+    refused = forbidden_lines(process.log())
+    assert not refused, "the chart's RBAC refused the operator:\n" + "\n".join(refused[:10])

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.kube import wait_for
+from tests.kube import ChartIdentity, wait_for
 from tests.operator import factories
 from tests.operator.conftest import OperatorProcess
 
@@ -237,9 +237,11 @@ def test_suspend_deletes_pods_keeps_metastore_and_resumes(
 
 
 def test_operator_killed_mid_reconcile_converges_without_duplicates(
-    cluster, namespace: str, crd, tmp_path
+    cluster, namespace: str, tmp_path, operator_identity: ChartIdentity
 ) -> None:
-    slow = OperatorProcess(namespace, tmp_path / "operator-1.log", COLOCATE_CREATE_DELAY_SECONDS="2").start()
+    slow = OperatorProcess(
+        namespace, tmp_path / "operator-1.log", operator_identity, COLOCATE_CREATE_DELAY_SECONDS="2"
+    ).start()
     try:
         apply_job(cluster, namespace, numNodes=4, gpusPerNode=4)
         wait_for(lambda: len(pods(cluster, namespace)) >= 1, 60, "the first pod created")
@@ -250,7 +252,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     assert 1 <= partial < 4, f"killed mid-way: {partial} of 4 pods exist"
     assert job_status(cluster, namespace).get("groupCreated") is not True
 
-    restarted = OperatorProcess(namespace, tmp_path / "operator-2.log").start()
+    restarted = OperatorProcess(namespace, tmp_path / "operator-2.log", operator_identity).start()
     try:
         status = wait_phase(cluster, namespace, "Running")
         items = running_pods(cluster, namespace, 4, 0)

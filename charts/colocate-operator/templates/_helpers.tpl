@@ -26,33 +26,46 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* What the operator does to the children of a ColocateJob, shared by the ClusterRole and the Roles. */}}
+{{/* Every verb the operator uses in a namespace it manages, and nothing else (the integration suite runs the
+operator under exactly these rules, so a missing verb fails a test):
+- colocatejobs: get (each pass), list/watch (kopf), delete (ttlSecondsAfterFinished); status: patch;
+  finalizers: update, because children set blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
+- pods: list (each pass), list/watch (kopf), get (a pod name held by another object, read back), create,
+  delete (group restarts, suspend, a pod stuck on a lost node).
+- services, secrets, networkpolicies, resourceclaimtemplates: get (existence, metadata only except an External
+  password Secret) and create; garbage collection deletes them through their ownerReferences.
+- deployments (the Redis): get (readiness), list/watch (kopf), create.
+- resourceclaims: get (allocation status). events: create (the operator's and kopf's).
+The step follower reads the password Secret of the jobs' meta-stores: that is the `get` on secrets. */}}
 {{- define "colocate-operator.rules" -}}
 - apiGroups: [colocate.dev]
   resources: [colocatejobs]
-  verbs: [get, list, watch, patch, update]
+  verbs: [get, list, watch, delete]
 - apiGroups: [colocate.dev]
   resources: [colocatejobs/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
+- apiGroups: [colocate.dev]
+  resources: [colocatejobs/finalizers]
+  verbs: [update]
 - apiGroups: [""]
-  resources: [pods, services, secrets]
-  verbs: [get, list, watch, create, patch, delete]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete]
+- apiGroups: [""]
+  resources: [services, secrets]
+  verbs: [get, create]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, list, watch, create]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, create]
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaimtemplates]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [get, create]
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaims]
-  verbs: [get, list, watch]
+  verbs: [get]
 {{- end -}}
