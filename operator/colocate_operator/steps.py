@@ -11,9 +11,9 @@ condition: True once every GPU of the job passed in its newest incarnation, Fals
 reason, else False/PreflightPending. Jobs whose runtime runs no preflight get no IPCReady condition.
 
 Any container of the job can write the stream, so the tracker's state is bounded whatever arrives: GPUs
-beyond `gpu_limit` (the least recently heard one goes first), half-finished steps beyond
-PENDING_STEPS_MAX (the lowest goes first) and remembered failed steps beyond FAILED_STEPS_MAX; `dropped`
-counts what was let go. Status messages are cut to what the CRD admits.
+beyond `gpu_limit` (the least recently heard one goes first), half-finished steps beyond PENDING_STEPS_MAX
+(the longest waiting goes first) and remembered failed steps beyond FAILED_STEPS_MAX; `dropped` counts what
+was let go. Status messages are cut to what the CRD admits.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ class StepTracker:
         gpus = self._pending.setdefault(event.step, {})
         gpus[event.gpu or f"rank-{event.rank}"] = event
         if len(self._pending) > PENDING_STEPS_MAX:
-            del self._pending[min(self._pending)]
+            # The oldest, not the lowest: a flood of high step numbers cannot starve the real next step.
+            del self._pending[next(iter(self._pending))]
             self.dropped += 1
         if len(gpus) < self.expected_gpus:
             return False

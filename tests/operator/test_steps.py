@@ -247,9 +247,9 @@ def test_state_stays_bounded_under_a_flood_and_the_next_real_step_completes() ->
     )
     assert size["recent"] == 3 and tracker.dropped > 20_000
     # The real GPUs report the next step: it completes, whatever the flood left.
-    assert tracker.observe(finished(2_000_000, "GPU-a")) is False
-    assert tracker.observe(finished(2_000_000, "GPU-b")) is True
-    assert tracker.last_completed_step == 2_000_000
+    assert tracker.observe(finished(2, "GPU-a")) is False
+    assert tracker.observe(finished(2, "GPU-b")) is True
+    assert tracker.last_completed_step == 2
 
 
 def test_a_long_failure_message_is_cut_to_what_status_admits() -> None:
