@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from colocate_runtime.colocated.events import StepEvent, stream_key, xadd
 from tests.kube import ChartIdentity, wait_for
 from tests.operator import factories
 from tests.operator.conftest import OperatorProcess
+from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -498,9 +502,316 @@ def test_periodic_resync_repairs_children_nobody_watches(
     def repaired() -> bool:
         services = get(cluster, namespace, "services", "-l", "colocate.dev/job=demo")["items"]
         policies = get(cluster, namespace, "networkpolicies")["items"]
-        return any(
-            s["metadata"]["name"] == "demo" and s["metadata"]["uid"] != old for s in services
-        ) and any(p["metadata"]["name"] == "demo-metastore" for p in policies)
+        return any(s["metadata"]["name"] == "demo" and s["metadata"]["uid"] != old for s in services) and any(
+            p["metadata"]["name"] == "demo-metastore" for p in policies
+        )
 
     wait_for(repaired, 30, "headless Service and NetworkPolicy recreated")
     assert job_status(cluster, namespace)["restarts"] == 0
+
+
+# Issue 17 items 8-11 on the real plane ---------------------------------------------------------------------
+
+
+def condition_reason(cluster, namespace: str, type_: str, reason: str, name: str = "demo") -> dict[str, Any]:
+    return wait_for(
+        lambda: (c := condition(job_status(cluster, namespace, name), type_)).get("reason") == reason and c,
+        60,
+        f"{type_}={reason} on ColocateJob {namespace}/{name}",
+    )
+
+
+def job_events(cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in events(cluster, namespace)
+        if e["involvedObject"]["kind"] == "ColocateJob" and e["reason"] == reason
+    ]
+
+
+def test_a_job_name_that_would_take_another_jobs_redis_service_is_refused(
+    cluster, crd, namespace: str
+) -> None:
+    manifest = job_manifest("x-metastore", namespace)
+    result = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0 and "must not end in -metastore" in result.stderr, result.stderr
+    cluster.kubectl(
+        "create", "--dry-run=server", "-f", "-", input=json.dumps(job_manifest("x-metastores", namespace))
+    )
+
+
+def test_an_object_holding_a_childs_name_is_a_condition_on_the_job(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    """Someone else's Service holds the Redis Service's name: the job says so, creates no pods (they would
+    send the password there) and posts one Event, not one a second; freed, the name becomes the job's."""
+    squatter = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "demo-metastore", "namespace": namespace},
+        "spec": {"ports": [{"port": 6379}], "selector": {"app": "elsewhere"}},
+    }
+    cluster.apply([squatter])
+    apply_job(cluster, namespace)
+    meta = condition_reason(cluster, namespace, "MetaStoreReady", "NameTaken")
+    assert f"Service {namespace}/demo-metastore exists, not owned by this job" in meta["message"]
+    assert condition(job_status(cluster, namespace), "PodsReady")["reason"] == "NameTaken"
+    time.sleep(5)  # a few passes (the resync runs every 2 s here)
+    assert pods(cluster, namespace) == []
+    assert len(job_events(cluster, namespace, "NameTaken")) == 1
+    assert job_status(cluster, namespace)["phase"] == "Pending"
+
+    cluster.kubectl("delete", "service", "demo-metastore", "-n", namespace)
+    wait_phase(cluster, namespace, "Running")
+    uid = get(cluster, namespace, "colocatejob", "demo")["metadata"]["uid"]
+    owners = get(cluster, namespace, "service", "demo-metastore")["metadata"]["ownerReferences"]
+    assert [o["uid"] for o in owners] == [uid]
+
+
+def test_a_pod_holding_a_pods_name_is_a_condition_not_a_create_loop(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    squatter = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-1", "namespace": namespace},
+        "spec": {"containers": [{"name": "c", "image": "example.com/other:1"}]},
+    }
+    cluster.apply([squatter])
+    apply_job(cluster, namespace)
+    ready = condition_reason(cluster, namespace, "PodsReady", "NameTaken")
+    assert f"Pod {namespace}/demo-1 exists, not owned by this job" in ready["message"]
+    time.sleep(5)
+    assert len(job_events(cluster, namespace, "CreatedPods")) <= 2, "no CreatedPods Event every second"
+    assert len(job_events(cluster, namespace, "NameTaken")) == 1
+    assert get(cluster, namespace, "pod", "demo-1")["metadata"].get("ownerReferences") is None
+
+
+def test_a_job_recreated_while_its_predecessors_secret_is_collected_waits_for_its_own(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    """M3: the predecessor's Secret (same name, old password) is still there, being deleted. Neither Redis
+    nor the pods may start on it; once it is gone, the job's own Secret comes first, then Redis and pods."""
+    apply_job(cluster, namespace)
+    wait_phase(cluster, namespace, "Running")
+    cluster.kubectl(
+        "patch",
+        "secret",
+        "demo-metastore-auth",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"metadata": {"finalizers": ["example.com/hold"]}}',
+    )
+    old_secret = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"]
+    cluster.kubectl("delete", "colocatejob", "demo", "-n", namespace, "--wait=true", "--timeout=30s")
+
+    def collected() -> bool:
+        return not get(cluster, namespace, "deployments")["items"] and not pods(cluster, namespace)
+
+    wait_for(
+        lambda: collected() or None,
+        60,
+        "the predecessor's Redis and pods collected",
+    )
+    apply_job(cluster, namespace)
+    meta = condition_reason(cluster, namespace, "MetaStoreReady", "NameTaken")
+    assert "Secret" in meta["message"] and "(being deleted)" in meta["message"]
+    time.sleep(4)
+    assert get(cluster, namespace, "deployments")["items"] == [], "no Redis on the old password"
+    assert pods(cluster, namespace) == [], "no pods on the old password"
+
+    cluster.kubectl(
+        "patch",
+        "secret",
+        "demo-metastore-auth",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"metadata": {"finalizers": null}}',
+    )
+    wait_phase(cluster, namespace, "Running")
+    uid = get(cluster, namespace, "colocatejob", "demo")["metadata"]["uid"]
+    secret = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]
+    assert secret["uid"] != old_secret and [o["uid"] for o in secret["ownerReferences"]] == [uid]
+    deployment = get(cluster, namespace, "deployment", "demo-metastore")["metadata"]
+    assert [o["uid"] for o in deployment["ownerReferences"]] == [uid]
+    assert deployment["creationTimestamp"] >= secret["creationTimestamp"]
+
+
+def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted(
+    cluster, namespace: str, operator_identity
+) -> None:
+    """M8: a node nobody runs (no kubelet, no kwok) holds the job's pod; deleting it leaves it Terminating
+    forever unless the operator deletes it with grace period 0 after its grace period."""
+    node = f"lost-{namespace}"
+    cluster.apply(
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": node,
+                    "labels": {"kubernetes.io/hostname": node, "lost-test": namespace},
+                },
+                "status": {
+                    "capacity": {"cpu": "8", "memory": "64Gi", "pods": "10", "nvidia.com/gpu": "8"},
+                    "allocatable": {"cpu": "8", "memory": "64Gi", "pods": "10", "nvidia.com/gpu": "8"},
+                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+                },
+            }
+        ]
+    )
+    operator = OperatorProcess(
+        namespace,
+        Path(cluster.log_dir) / f"operator-{namespace}.log",
+        operator_identity,
+        COLOCATE_FORCE_DELETE_AFTER_SECONDS="2",
+    ).start()
+    try:
+        apply_job(
+            cluster,
+            namespace,
+            numNodes=1,
+            gpu={"allocation": "DevicePlugin"},
+            pod={"terminationGracePeriodSeconds": 1},
+            scheduling={"nodeSelector": {"lost-test": namespace}},
+        )
+        bound = wait_for(
+            lambda: [p for p in pods(cluster, namespace) if p["spec"].get("nodeName") == node],
+            60,
+            f"the pod bound to {node}",
+        )[0]
+        cluster.kubectl(
+            "patch",
+            "colocatejob",
+            "demo",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            '{"spec": {"suspend": true}}',
+        )
+        wait_for(
+            lambda: any(p["metadata"].get("deletionTimestamp") for p in pods(cluster, namespace)),
+            30,
+            "the pod Terminating",
+        )
+        wait_for(
+            lambda: all(p["metadata"]["uid"] != bound["metadata"]["uid"] for p in pods(cluster, namespace)),
+            30,
+            "the stuck pod force-deleted",
+        )
+        forced = job_events(cluster, namespace, "ForceDeletedPod")
+        assert forced and node in forced[0]["message"] and "grace period 0" in forced[0]["message"]
+        assert job_status(cluster, namespace)["phase"] == "Suspended"
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "node", node, "--wait=false", check=False)
+
+
+def test_unschedulable_pods_carry_the_schedulers_reason(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace, gpu={"allocation": "DevicePlugin"}, gpusPerNode=16)  # nodes have 8
+    allocated = condition_reason(cluster, namespace, "ResourcesAllocated", "Unschedulable")
+    assert "nodes are available" in allocated["message"], allocated
+    assert "Insufficient nvidia.com/gpu" in allocated["message"], allocated
+    assert "Insufficient nvidia.com/gpu" in condition(job_status(cluster, namespace), "PodsReady")["message"]
+
+
+def test_a_partly_placed_gang_gives_its_gpus_back_after_the_placement_timeout(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    """Five whole-node pods on four GPU nodes: four are placed and hold 32 GPUs for a fifth that can never
+    come. After spec.scheduling.placementTimeoutSeconds the group lets go, saying why."""
+    apply_job(
+        cluster,
+        namespace,
+        numNodes=5,
+        gpusPerNode=8,
+        gpu={"allocation": "DevicePlugin"},
+        scheduling={"placementTimeoutSeconds": 5},
+        runPolicy={"maxRestarts": 0},
+    )
+    wait_for(
+        lambda: sum(bool(p["spec"].get("nodeName")) for p in pods(cluster, namespace)) >= 1,
+        60,
+        "some pods placed",
+    )
+    status = wait_phase(cluster, namespace, "Failed", timeout=60)
+    failed = condition(status, "Failed")
+    assert "pods were placed within spec.scheduling.placementTimeoutSeconds=5" in failed["message"], failed
+    assert "nodes are available" in failed["message"], failed
+    wait_for(lambda: not pods(cluster, namespace) or None, 30, "every pod deleted, GPUs free")
+
+
+def test_a_finished_training_is_not_restarted_when_the_operator_restarts_as_it_ends(
+    cluster,
+    namespace: str,
+    operator_identity,
+    redis_server: RedisServer,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """M4: the trainer records its final step and the pods exit 0 while no operator runs. The restarted
+    operator sees Succeeded pods before its step follower has replayed the stream: it must wait for the
+    follower (catch-up barrier), not restart a finished training."""
+    cluster.kubectl(
+        "create",
+        "secret",
+        "generic",
+        "ms",
+        "-n",
+        namespace,
+        f"--from-literal=password={redis_server.password}",
+    )
+    external = {
+        "mode": "External",
+        "external": {"address": redis_server.addr, "passwordSecretRef": {"name": "ms"}},
+    }
+    apply_job(cluster, namespace, gpusPerNode=1, metaStore=external)
+    first = OperatorProcess(namespace, tmp_path / "operator-1.log", operator_identity).start()
+    try:
+        wait_phase(cluster, namespace, "Running")
+        running_pods(cluster, namespace, 2, 0)
+    finally:
+        first.kill()
+    final = StepEvent(role="trainer", gen=1, step=7, phase="final", gpu="GPU-a", result="ok", final=True)
+    xadd(redis_server.client(), stream_key(namespace, "demo"), final)
+    for pod in ("demo-0", "demo-1"):
+        patch = {"status": {"phase": "Succeeded", "reason": "Completed"}}
+        cluster.kubectl(
+            "patch",
+            "pod",
+            pod,
+            "-n",
+            namespace,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+        )
+    assert not job_status(cluster, namespace).get("weightSync", {}).get("finalStepRecorded")
+
+    # The meta-store answers slowly (paused): the restarted operator's first passes certainly come before its
+    # follower has read anything.
+    assert redis_server.process is not None
+    redis_server.process.send_signal(signal.SIGSTOP)
+    try:
+        second = OperatorProcess(namespace, tmp_path / "operator-2.log", operator_identity).start()
+        waiting = condition_reason(cluster, namespace, "PodsReady", "WaitingForFinalRecord")
+        assert "demo-0" in waiting["message"] or "demo-1" in waiting["message"]
+        time.sleep(3)
+        assert job_status(cluster, namespace)["restarts"] == 0
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    try:
+        status = wait_phase(cluster, namespace, "Succeeded", timeout=90)
+    finally:
+        second.stop()
+    assert status["restarts"] == 0
+    assert condition(status, "Succeeded")["reason"] == "FinalStepRecorded"
+    assert "RestartingGroup" not in job_event_reasons(cluster, namespace)
+    assert [p["metadata"]["labels"]["colocate.dev/restart"] for p in pods(cluster, namespace)] == ["0", "0"]
