@@ -47,14 +47,14 @@ setup_device() {
 
 run_tests() {
     # --noconftest: tests/conftest.py starts the local Kubernetes control plane, which these tests do not use.
-    python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py -m gpu -v --noconftest \
-        -p no:cacheprovider
+    python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
+        tests/runtime/test_colocated_release.py -m gpu -v --noconftest -p no:cacheprovider
 }
 
 run_all_gpu_tests() {
     # Every GPU test of the repository (colocated CUDA IPC, p2p over NCCL, the reshard exchange).
     NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
-        tests/runtime/test_p2p_exec.py \
+        tests/runtime/test_p2p_exec.py tests/runtime/test_colocated_release.py \
         tests/runtime/test_colocated_exchange.py -m gpu -v --noconftest -p no:cacheprovider
 }
 
