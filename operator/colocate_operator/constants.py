@@ -45,6 +45,11 @@ REDIS_PORT: Final = 6379
 SECRET_PASSWORD_KEY: Final = "password"
 SECRET_CONFIG_KEY: Final = "redis.conf"
 REDIS_CONFIG_MOUNT: Final = "/etc/colocate-redis"
+# Patched Redis (7.4.6 fixed the Lua RCE CVE-2025-49844, which no ACL can block: the protocol needs EVAL),
+# pinned by the digest of the official multi-platform image (operator/README.md says where it comes from).
+REDIS_IMAGE: Final = (
+    "redis:7.4.8-alpine@sha256:7aec734b2bb298a1d769fd8729f13b8514a41bf90fcdd1f38ec52267fbaa8ee6"
+)
 
 # kopf keeps its handler progress in annotations under this prefix (never in status: see the CRD).
 KOPF_PREFIX: Final = GROUP

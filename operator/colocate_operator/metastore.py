@@ -2,12 +2,19 @@
 
 The password lives only in the Secret. Redis reads it from a config file mounted from that Secret, so it is
 neither in a pod spec nor on a process command line; the job's pods get it through secretKeyRef.
+
+Redis always runs under a memory limit with `maxmemory` below it and `noeviction`: a write the store cannot
+hold is refused with an error the writer reports ("OOM command not allowed"), where without it the kernel
+would kill Redis and every step in flight would lose its keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from colocate_operator import names
 from colocate_operator.config import OperatorConfig
@@ -26,6 +33,9 @@ DEFAULT_REDIS_RESOURCES: dict[str, dict[str, Any]] = {
     "requests": {"cpu": "100m", "memory": "128Mi"},
     "limits": {"memory": "1Gi"},
 }
+# maxmemory is this share of the container's memory limit: the rest is headroom for what Redis holds outside
+# its dataset accounting (allocator fragmentation, the process itself, Lua, reply buffers of XREADs).
+MAXMEMORY_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -89,17 +99,50 @@ def secret(job: ColocateJob, password: str) -> dict[str, Any]:
     }
 
 
+def redis_resources(job: ColocateJob) -> dict[str, dict[str, Any]]:
+    """The user's resources, or the defaults; a memory limit always, since maxmemory is derived from it: when
+    none is given, the default limit or the memory request if that is larger (a limit below it is invalid)."""
+    given = job.spec.meta_store.resources
+    if not given:
+        return DEFAULT_REDIS_RESOURCES
+    limits = dict(given.get("limits") or {})
+    if "memory" not in limits:
+        default = DEFAULT_REDIS_RESOURCES["limits"]["memory"]
+        request = (given.get("requests") or {}).get("memory")
+        bigger = request is not None and parse_quantity(request) > parse_quantity(default)
+        limits["memory"] = request if bigger else default
+    return {**given, "limits": limits}
+
+
+def maxmemory_bytes(memory_limit: str) -> int:
+    """MAXMEMORY_SHARE of the limit, never 0 (to Redis, 0 means no limit at all)."""
+    return max(1, int(parse_quantity(memory_limit) * Decimal(str(MAXMEMORY_SHARE))))
+
+
+def redis_command(resources: dict[str, dict[str, Any]]) -> list[str]:
+    # On the command line, not in the Secret's config: it follows the resources of the Deployment it is in.
+    return [
+        "redis-server",
+        f"{REDIS_CONFIG_MOUNT}/{SECRET_CONFIG_KEY}",
+        "--maxmemory",
+        str(maxmemory_bytes(str(resources["limits"]["memory"]))),
+        "--maxmemory-policy",
+        "noeviction",
+    ]
+
+
 def deployment(job: ColocateJob) -> dict[str, Any]:
     name = names.metastore(job.ref.name)
     store = job.spec.meta_store
+    resources = redis_resources(job)
     container = {
         "name": "redis",
         "image": store.image,
-        "command": ["redis-server", f"{REDIS_CONFIG_MOUNT}/{SECRET_CONFIG_KEY}"],
+        "command": redis_command(resources),
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10, "failureThreshold": 6},
-        "resources": store.resources or DEFAULT_REDIS_RESOURCES,
+        "resources": resources,
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from colocate_operator.constants import CONTAINER_ROLLOUT, CONTAINER_TRAINER
+from colocate_operator.constants import CONTAINER_ROLLOUT, CONTAINER_TRAINER, REDIS_IMAGE
 
 
 class _Model(BaseModel):
@@ -97,7 +97,7 @@ class ExternalMetaStore(_Model):
 
 class MetaStoreSpec(_Model):
     mode: Literal["Managed", "External"] = "Managed"
-    image: str = "redis:7.4-alpine"
+    image: str = REDIS_IMAGE
     resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
     external: ExternalMetaStore | None = None
 
