@@ -36,7 +36,7 @@ class OperatorConfig:
     create_delay_seconds: float = 0.0
     # External meta-store addresses the operator may dial with a job's password (addresses.py); none: every
     # External job is refused.
-    external_metastore_allow: AddressAllowList = AddressAllowList()
+    external_metastore_allow: AddressAllowList = field(default_factory=AddressAllowList)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
