@@ -13,6 +13,7 @@ waiting. Waits poll with a deadline: a stuck peer becomes a `PeerTimeoutError` n
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -27,7 +28,14 @@ from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, plan_chunks, ra
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
-from colocate_runtime.p2p.plan import Plan, PlanError, build_plan
+from colocate_runtime.p2p.plan import (
+    Plan,
+    PlanError,
+    build_plan,
+    describe_shards,
+    fingerprint,
+    first_difference,
+)
 from colocate_runtime.p2p.program import Program, Step, buffer, copy_all, local_copies, region
 from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.p2p.waiting import Deadlines
@@ -208,7 +216,11 @@ class P2PExchange:
             for r, d in enumerate(digests):
                 by_digest.setdefault(d, []).append(r)
             groups = "; ".join(f"{d:015x}: ranks {rs}" for d, rs in sorted(by_digest.items()))
-            raise PlanMismatchError(f"rank {rank}: ranks built different plans ({groups}); nothing was sent")
+            what = _plan_difference(senders, receivers, plan, group, device, world)  # collective
+            raise PlanMismatchError(
+                f"rank {rank}: ranks built different plans ({groups}); first difference: {what}; "
+                "nothing was sent"
+            )
         chunk_plan = plan_chunks(plan, budget, depth, shard_shapes(senders, receivers), direct_min)
         exchange = cls(
             senders=senders,
@@ -569,3 +581,34 @@ def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _plan_difference(
+    senders: Layout,
+    receivers: Layout,
+    plan: Plan,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    world: int,
+) -> str:
+    """Collective, only once plan hashes differed: every rank's per-parameter fingerprints (JSON bytes, two
+    all-gathers) and the first parameter they disagree on, with this rank's own boxes of it."""
+    mine = json.dumps(fingerprint(senders, receivers, plan), separators=(",", ":")).encode()
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(n.item()) for n in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    gathered = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, padded.to(device), group=group)
+    try:
+        tables = [json.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(gathered, lengths, strict=True)]
+        diff = first_difference(tables)
+    except (ValueError, TypeError, AttributeError) as err:  # a peer's fingerprints do not decode
+        return f"the ranks' fingerprints could not be compared ({err})"
+    if diff.name is None:
+        return diff.text
+    side = senders if diff.part == "sender shards" else receivers
+    here = describe_shards(side.by_name().get(diff.name))
+    return f"{diff.text}; on this rank its {'senders' if side is senders else 'receivers'} are {here}"

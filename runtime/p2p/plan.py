@@ -169,8 +169,8 @@ def build_plan(senders: Layout, receivers: Layout) -> Plan:
     """The plan that fills every receiver shard from the sender shards, each element exactly once.
 
     Raises `PlanError` naming the parameter when a receiver parameter has no sender, the global shapes differ,
-    the dtypes cannot be cast, sender shards overlap without being identical replicas, or part of a receiver
-    shard is held by no sender.
+    the dtypes cannot be cast, sender or receiver shards overlap without being identical replicas, or part of
+    a receiver shard is held by no sender.
     """
     sender_params = senders.by_name()
     all_ranks = set(senders.ranks) | set(receivers.ranks)
@@ -182,7 +182,10 @@ def build_plan(senders: Layout, receivers: Layout) -> Plan:
         if send is None:
             raise PlanError(f"{recv.name}: the receivers need it but no sender holds it")
         _check_compatible(send, recv)
-        pieces = _source_pieces(send)
+        pieces = _distinct_boxes(send, "sender")
+        # Receivers either hold the same box (replicas) or disjoint ones: a partial overlap is a description
+        # error (two engines' ranks claiming part of each other's shard), never a layout to fill.
+        _distinct_boxes(recv, "receiver")
         for rank, box in recv.shards:
             if box.numel == 0:
                 continue
@@ -219,8 +222,9 @@ def _check_compatible(send: ParamShards, recv: ParamShards) -> None:
         )
 
 
-def _source_pieces(param: ParamShards) -> list[tuple[Box, tuple[int, ...]]]:
-    """Distinct non-empty sender boxes with the ranks holding each (replicas); rejects partial overlaps."""
+def _distinct_boxes(param: ParamShards, side: str) -> list[tuple[Box, tuple[int, ...]]]:
+    """Distinct non-empty boxes of one side with the ranks holding each (replicas); rejects partial
+    overlaps."""
     holders: dict[Box, list[int]] = {}
     for rank, box in param.shards:
         if box.numel:
@@ -239,7 +243,7 @@ def _source_pieces(param: ParamShards) -> list[tuple[Box, tuple[int, ...]]]:
         for other, other_ranks in active:
             if other.intersect(box) is not None:
                 raise PlanError(
-                    f"{param.name}: overlap: sender box {other.to_json()} (ranks {list(other_ranks)}) and "
+                    f"{param.name}: overlap: {side} box {other.to_json()} (ranks {list(other_ranks)}) and "
                     f"{box.to_json()} (ranks {list(ranks)}) overlap without being identical replicas"
                 )
         active.append((box, ranks))
@@ -288,3 +292,63 @@ def _first_gap(box: Box, pieces: list[Box]) -> tuple[int, ...] | None:
         return None
 
     return first(())
+
+
+# --- ranks that planned differently: which parameter ----------------------------------------------------
+
+_PARTS = ("sender shards", "receiver shards", "transfers")
+_ABSENT = "-"
+
+
+def fingerprint(senders: Layout, receivers: Layout, plan: Plan) -> dict[str, list[str]]:
+    """Per parameter (every name either side describes): short digests of its sender shards, its receiver
+    shards and its transfers. Ranks whose plan hashes differ exchange these to find what differs
+    (`first_difference`); plain JSON-able data."""
+    transfers: dict[str, list] = {}
+    for t in plan.transfers:
+        transfers.setdefault(t.name, []).append(t.to_json())
+    send, recv = senders.by_name(), receivers.by_name()
+
+    def digest(p: ParamShards | None) -> str:
+        return _ABSENT if p is None else stable_hash(p.to_json())[:12]
+
+    return {
+        name: [digest(send.get(name)), digest(recv.get(name)), stable_hash(transfers.get(name, []))[:12]]
+        for name in sorted(set(send) | set(recv))
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDifference:
+    name: str | None  # the first parameter that differs; None when every fingerprint agrees
+    part: str  # one of "sender shards", "receiver shards", "transfers" ("" when name is None)
+    text: str  # for the error message: what differs and which ranks hold what
+
+
+def first_difference(tables: Sequence[Mapping[str, Sequence[str]]]) -> PlanDifference:
+    """The first parameter (by name) whose sender shards, receiver shards or transfers differ between the
+    ranks' `fingerprint`s (index = rank), with the ranks grouped by what they hold."""
+    names = sorted(set().union(*(set(t) for t in tables)))
+    for name in names:
+        for i, part in enumerate(_PARTS):
+            groups: dict[str, list[int]] = {}
+            for rank, table in enumerate(tables):
+                entry = table.get(name)
+                groups.setdefault(_ABSENT if entry is None else str(entry[i]), []).append(rank)
+            if len(groups) > 1:
+                who = "; ".join(
+                    f"ranks {ranks} " + ("do not describe it" if key == _ABSENT else f"have {key}")
+                    for key, ranks in sorted(groups.items(), key=lambda kv: kv[1])
+                )
+                return PlanDifference(name, part, f"{name}: its {part} differ between ranks ({who})")
+    return PlanDifference(
+        None, "", "every parameter's shards and transfers agree between the ranks: they run different code"
+    )
+
+
+def describe_shards(p: ParamShards | None, limit: int = 240) -> str:
+    """One side's boxes of a parameter as `rank:offsets+lengths`, cut to `limit` characters (for errors)."""
+    if p is None:
+        return "not described"
+    text = ", ".join(f"{r}:{list(b.offsets)}+{list(b.lengths)}" for r, b in p.shards)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -398,6 +398,22 @@ def mismatch_worker(rank: int, world: int, odd_rank: int) -> str:
     return "created"
 
 
+def extra_param_worker(rank: int, world: int, odd_rank: int) -> str:
+    """`odd_rank` describes one parameter more on both sides (a model built from another config)."""
+    from colocate_runtime.p2p.executor import P2PExchange
+
+    model = dense_model(layers=2)
+    senders = trainer_layout(model, tp=world)
+    receivers = inference_layout(model, tp=1, ranks=range(world))
+    if rank == odd_rank:
+        full = Box.full((4,))
+        senders = Layout.of([*senders.params, ParamShards("zz.extra.bias", (4,), "bfloat16", ((0, full),))])
+        extra = tuple((r, full) for r in range(world))
+        receivers = Layout.of([*receivers.params, ParamShards("zz.extra.bias", (4,), "bfloat16", extra)])
+    P2PExchange.create(senders, receivers)
+    return "created"
+
+
 def bad_tensor_worker(rank: int, world: int, bad_rank: int) -> str:
     """`bad_rank` hands over a target of the wrong shape; nobody may start sending."""
     exchange, _ = _small_exchange(rank, world)

@@ -22,6 +22,8 @@ from tests.runtime.p2p_helpers import (
     bad_metadata_worker,
     bad_tensor_worker,
     dense_model,
+    extra_param_worker,
+    inference_layout,
     mismatch_worker,
     moe_model,
     reshard_worker,
@@ -244,6 +246,28 @@ def test_ranks_with_different_plans_refuse_to_start() -> None:
     result = run_world(mismatch_worker, 3, 2)
     assert set(result.errors) == {0, 1, 2}, result.results
     assert all(e.startswith("PlanMismatchError") and "ranks [0, 1]" in e for e in result.errors.values())
+    # Every rank names the first parameter whose layout differs and who holds what, not only plan hashes.
+    model = dense_model(layers=2)
+    one, three = (inference_layout(model, tp=tp, ranks=range(3)) for tp in (1, 3))
+    first = next(p.name for p in one.params if p != three.by_name()[p.name])
+    for rank, error in result.errors.items():
+        assert re.search(
+            rf"first difference: {re.escape(first)}: its receiver shards differ between ranks "
+            r"\(ranks \[0, 1\] have \w+; ranks \[2\] have \w+\); on this rank its receivers are \d+:",
+            error,
+        ), f"rank {rank}: {error}"
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_only_one_rank_describes_is_named_on_every_rank() -> None:
+    result = run_world(extra_param_worker, 3, 1)
+    assert set(result.errors) == {0, 1, 2}, result.results
+    for rank, error in result.errors.items():
+        assert error.startswith("PlanMismatchError"), f"rank {rank}: {error}"
+        assert (
+            "first difference: zz.extra.bias: its sender shards differ between ranks (ranks [0, 2] do not "
+            "describe it; ranks [1] have" in error
+        ), f"rank {rank}: {error}"
 
 
 @pytest.mark.timeout(60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +24,15 @@ from colocate_runtime.p2p.chunks import (
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box, split_extent
 from colocate_runtime.p2p.peers import meeting_round, num_rounds, partner
-from colocate_runtime.p2p.plan import Plan, PlanError, Transfer, build_plan
+from colocate_runtime.p2p.plan import (
+    Plan,
+    PlanError,
+    Transfer,
+    build_plan,
+    describe_shards,
+    fingerprint,
+    first_difference,
+)
 from colocate_runtime.shards import Box, RankShards, ShardError, TensorShard
 from tests.runtime.p2p_helpers import dense_model, inference_layout, moe_model, trainer_layout
 
@@ -201,6 +210,20 @@ def test_plan_errors_name_the_parameter() -> None:
     overlap = Layout.of([param("blk.w", shape, [(0, Box((0, 0), (5, 4))), (1, Box((4, 0), (4, 4)))])])
     with pytest.raises(PlanError, match=r"^blk\.w: overlap: sender box .*ranks \[0\].*ranks \[1\]"):
         build_plan(overlap, full)
+
+    # Receivers: identical boxes are replicas (each filled), a partial overlap is a description error.
+    overlapping_receivers = Layout.of(
+        [
+            param(
+                "blk.w", shape, [(2, Box((0, 0), (6, 4))), (3, Box((5, 0), (3, 4))), (4, Box((0, 0), (6, 4)))]
+            )
+        ]
+    )
+    with pytest.raises(PlanError, match=r"^blk\.w: overlap: receiver box .*ranks \[2, 4\].*ranks \[3\]"):
+        build_plan(Layout.of([param("blk.w", shape, halves)]), overlapping_receivers)
+    replicas = Layout.of([param("blk.w", shape, [(2, Box.full(shape)), (3, Box.full(shape))])])
+    halved = Layout.of([param("blk.w", shape, halves)])
+    assert_exact_cover(build_plan(halved, replicas), halved, replicas)
 
     with pytest.raises(PlanError, match=r"^blk\.w: shape mismatch"):
         build_plan(Layout.of([param("blk.w", (8, 5), [(0, Box.full((8, 5)))])]), full)
@@ -395,3 +418,30 @@ def test_chunks_take_the_whole_budget_only_when_little_is_staged() -> None:
     shards = shard_shapes(columns, on_2)
     assert staged_peak(assign_chunks(plan, 2048), shards, direct_min_bytes=64) > 1024
     assert plan_chunks(plan, 2048, 2, shards, direct_min_bytes=64).capacity == 1024
+
+
+def test_the_first_parameter_whose_layout_differs_is_named_with_the_ranks() -> None:
+    model = dense_model(layers=2)
+    senders = trainer_layout(model, tp=3)
+    one, three = (inference_layout(model, tp=tp, ranks=range(3)) for tp in (1, 3))
+    fp_one, fp_three = (
+        fingerprint(senders, one, build_plan(senders, one)),
+        fingerprint(senders, three, build_plan(senders, three)),
+    )
+    assert json.loads(json.dumps(fp_one)) == fp_one  # plain data: it crosses the wire as JSON
+    diff = first_difference([fp_one, fp_one, fp_three])
+    expected = next(p.name for p in one.params if p != three.by_name()[p.name])
+    assert diff.name == expected and diff.part == "receiver shards"
+    assert re.match(
+        rf"^{re.escape(expected)}: its receiver shards differ between ranks \(ranks \[0, 1\] "
+        r"have \w+; ranks \[2\] have \w+\)$",
+        diff.text,
+    ), diff.text
+    # A parameter only some ranks describe is named as such; equal fingerprints name nothing.
+    extra = Layout.of([*senders.params, param("zz.extra", (4,), [(0, Box.full((4,)))])])
+    extra_recv = Layout.of([*one.params, param("zz.extra", (4,), [(1, Box.full((4,)))])])
+    fp_extra = fingerprint(extra, extra_recv, build_plan(extra, extra_recv))
+    diff = first_difference([fp_one, fp_extra, fp_one])
+    assert diff.name == "zz.extra" and "ranks [0, 2] do not describe it; ranks [1] have" in diff.text
+    assert first_difference([fp_one, fp_one]).name is None
+    assert describe_shards(one.by_name()[expected]).startswith("0:[0")
