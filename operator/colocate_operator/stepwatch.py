@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 from urllib3.exceptions import HTTPError
 
-from colocate_operator import conditions, kube, metrics
+from colocate_operator import conditions, kube, metrics, names
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import GROUP, PLURAL, VERSION
 from colocate_operator.kube_events import post_event
@@ -64,6 +64,16 @@ class _Writes:
     last_success_event: float = 0.0
     last_posted: tuple[int, str] | None = None  # (step, result) of the last step Event
     retry_at: float = 0.0  # after a refused write, wait before the next try (and the next log line)
+
+
+def check_managed_store_owned(api: kube.Kube, namespace: str, job: str, uid: str | None) -> None:
+    """The Managed Redis Service and Secret must be the job's own (LookupError otherwise): an object of
+    that name held by someone else would receive the job's password, or hand it theirs."""
+    for kind, child in ((kube.SERVICES, names.metastore(job)), (kube.SECRETS, names.metastore_secret(job))):
+        meta = api.get(kind, namespace, child, metadata_only=True)
+        owners = [ref.get("uid") for ref in ((meta or {}).get("metadata") or {}).get("ownerReferences") or []]
+        if meta is not None and uid not in owners:
+            raise LookupError(f"{kind.plural} {namespace}/{child} is not owned by the job: not dialing it")
 
 
 def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) -> str:
@@ -151,6 +161,8 @@ async def follow(
         while True:
             try:
                 if client is None:
+                    if store.mode == "Managed":  # never our password to a Service someone else holds (M2)
+                        await asyncio.to_thread(check_managed_store_owned, api, namespace, name, uid)
                     password = await asyncio.to_thread(
                         password_from_secret, api, namespace, store.secret_name, store.secret_key
                     )
@@ -271,7 +283,8 @@ class _Trim:
             return
         self.unread = 0
         try:
-            await client.xtrim(key, maxlen=STREAM_MAXLEN, approximate=True)
+            # LIMIT 0: an approximate trim otherwise removes at most 10000 entries per call.
+            await client.xtrim(key, maxlen=STREAM_MAXLEN, approximate=True, limit=0)
         except ResponseError as e:
             self.refused = True
             log.warning("the meta-store of %s/%s refuses XTRIM, not trimming: %s", namespace, name, e)

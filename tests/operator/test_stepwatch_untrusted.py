@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -174,3 +175,46 @@ def test_the_follower_of_a_job_deleted_unseen_stops(cluster: Any, namespace: str
             raise AssertionError("the follower of a deleted job still runs 20 s later") from None
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(300)
+def test_a_new_follower_trims_a_huge_stream_before_replaying_it(
+    cluster: Any,
+    namespace: str,
+    crd: Any,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Replay from 0-0 (an operator restart) of a stream a writer grew past MAXLEN: the follower trims it to
+    about STREAM_MAXLEN first, so the replay is bounded, and the newest real step still reaches status."""
+    start_job(cluster, namespace, redis_server)
+    client = redis_server.client()
+    key = stream_key(namespace, "steps")
+    for gpu in GPUS:
+        emit(client, namespace, 1, gpu)
+    entries = 60_000
+    subprocess.run(
+        [sys.executable, "-c", FLOOD, str(redis_server.port), redis_server.password, key, str(entries)],
+        check=True,
+        timeout=180,
+    )
+    for gpu in GPUS:  # with MAXLEN ~, as the runtime writes: one approximate trim removes 10000 at most
+        emit(client, namespace, 2, gpu)
+    assert client.xlen(key) > entries // 2
+    api = kube.Kube.from_environment()
+    trackers: list[StepTracker] = []
+
+    async def scenario() -> float:
+        started = time.monotonic()
+        task = asyncio.create_task(follow(namespace, "steps", api, CONFIG, on_tracker=trackers.append))
+        deadline = started + 120
+        while not (trackers and trackers[0].last_completed_step == 2):
+            assert time.monotonic() < deadline and not task.done(), "step 2 not replayed within 120 s"
+            await asyncio.sleep(0.1)
+        task.cancel()
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(scenario())
+    print(
+        f"\nreplay of a {entries}-entry stream: step 2 after {elapsed:.1f} s, {client.xlen(key)} entries left"
+    )
+    assert client.xlen(key) <= STREAM_MAXLEN + 2000, "trimmed before the replay"
