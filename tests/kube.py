@@ -22,6 +22,8 @@ CHART = ROOT / "charts" / "colocate-operator"
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 # The apiserver's words when RBAC refuses a request, and kopf's when it falls back for lack of a permission.
 FORBIDDEN_MARKS = ("403 Forbidden", "is forbidden:", "Not enough permissions")
+# Also a 403, but admission refusing the object (Pod Security), not RBAC refusing the operator.
+NOT_RBAC_MARKS = ("violates PodSecurity",)
 
 
 def get_json(cluster: Cluster, *args: str) -> dict:
@@ -112,6 +114,8 @@ def forbidden_lines(log: str) -> list[str]:
     """Lines of an operator log saying a request was refused for lack of a permission."""
     found = []
     for line in log.splitlines():
+        if any(mark in line for mark in NOT_RBAC_MARKS):
+            continue
         at = min((i for i in (line.find(mark) for mark in FORBIDDEN_MARKS) if i >= 0), default=-1)
         if at >= 0:
             found.append(line[max(0, at - 100) : at + 300])

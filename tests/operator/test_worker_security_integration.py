@@ -63,7 +63,11 @@ REFUSED = [
         },
         "env NVIDIA_VISIBLE_DEVICES is reserved",
     ),
-    ("api-key-on-the-trainer", {"trainer": {"apiKeySecretRef": API_KEY_REF}}, "spec.trainer.apiKeySecretRef"),
+    (
+        "api-key-on-the-trainer",
+        {"trainer": {"apiKeySecretRef": API_KEY_REF}},
+        "spec.trainer.apiKeySecretRef is not used",
+    ),
     (
         "api-key-twice",
         {"rollout": {"apiKeySecretRef": API_KEY_REF, "env": [{"name": "SGLANG_API_KEY", "value": "x"}]}},
