@@ -58,6 +58,7 @@ def children(job: str, num_nodes: int) -> list[tuple[str, str]]:
         ("Deployment", metastore(job)),
         ("Service", metastore(job)),
         ("NetworkPolicy", metastore(job)),
+        ("NetworkPolicy", worker_network_policy(job)),
         ("Secret", metastore_secret(job)),
         *(("Pod", pod(job, i)) for i in range(num_nodes)),
     ]
