@@ -111,6 +111,17 @@ def plans(preset: Preset):  # type: ignore[no-untyped-def]
     return tplan, iplan
 
 
+def local_boxes(tplan, iplan) -> dict:  # type: ignore[no-untyped-def]
+    """Canonical name -> the box both the trainer rank and the SGLang rank on this GPU hold."""
+    held = {s.name: s.box for s in tplan.shards()}
+    out = {}
+    for shard in iplan.shards():
+        common = shard.box.intersect(held[shard.name]) if shard.name in held else None
+        if common is not None:
+            out[shard.name] = common
+    return out
+
+
 def digest(t):  # type: ignore[no-untyped-def]
     """Position-weighted sums of a tensor's raw 16-bit words: equal bits, equal digests (any device)."""
     import torch
@@ -141,15 +152,13 @@ def run_reader(args: argparse.Namespace) -> None:
     tplan, iplan = plans(PRESETS[args.preset[0]])
     dtype = getattr(torch, iplan.spec.dtype)
     params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in iplan.param_shapes().items()}
-    held = {s.name: s for s in tplan.shards()}
+    local = local_boxes(tplan, iplan)
     targets, shards = {}, {}
     for shard, view in iplan.read(params):  # each target cut to what this GPU's trainer rank holds
-        source = held.get(shard.name)
-        common = None if source is None else shard.box.intersect(source.box)
-        if common is None:
-            continue
-        targets[shard.name] = view[common.relative_to(shard.box).slices()]
-        shards[shard.name] = TensorShard(shard.name, shard.global_shape, shard.dtype, common)
+        if shard.name in local:
+            common = local[shard.name]
+            targets[shard.name] = view[common.relative_to(shard.box).slices()]
+            shards[shard.name] = TensorShard(shard.name, shard.global_shape, shard.dtype, common)
     reader = new_reader(ColocateConfig.from_env(os.environ), targets, target_shards=shards, device=device)
     steps = []
     for _ in range(args.steps):
@@ -287,7 +296,13 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     if reader.returncode != 0:
         sys.exit(f"the reader process failed (exit {reader.returncode})")
     result = json.loads(stdout.strip().splitlines()[-1])
-    want = {s.name: digest(d) for s, d in ((p.shard, p.data()) for p in pieces)}
+    # The reference: the converter's own output, cut to what SGLang holds here.
+    local = local_boxes(tplan, plans(PRESETS[name])[1])
+    want = {
+        p.shard.name: digest(p.data()[local[p.shard.name].relative_to(p.shard.box).slices()])
+        for p in pieces
+        if p.shard.name in local
+    }
     wrong = sorted(n for n, d in result["digests"].items() if want.get(n) != d)
     missing = sorted(set(want) - set(result["digests"]))
     timed = steps[1:] or steps
@@ -308,9 +323,11 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             "convert": med(timed, "convert"),
             "pack": med(timed, "pack"),
             "publish": med(timed, "publish"),
+            "fetch": med(reader_timed, "fetch"),
             "open": med(reader_timed, "open"),
             "copy": med(reader_timed, "copy"),
             "close": med(reader_timed, "close"),
+            "verify": med(reader_timed, "verify"),
             "ack": med(reader_timed, "ack"),
             "wait_ack": med(timed, "wait_ack"),
             "free": med(timed, "free"),

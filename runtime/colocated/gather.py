@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colocate_runtime.bits import bits
 from colocate_runtime.colocated import fastcopy, strided
 from colocate_runtime.colocated.buckets import PlacedEntry
-from colocate_runtime.colocated.inplace import bits
 from colocate_runtime.colocated.views import entry_view
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated.buckets import BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
 from colocate_runtime.colocated.views import dtype_name, entry_view
@@ -152,20 +153,3 @@ def _view_entry(shard: TensorShard, view: torch.Tensor, bucket: int, base: int) 
         raise ValueError(f"{shard.name}: in-place view of {view.numel()} elements for a box of {shard.box}")
     view_of = (tuple(view.shape), tuple(view.stride()))
     return PlacedEntry(shard.name, shard.dtype, shard.box.lengths, bucket, offset, nbytes, shard, view_of)
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the element's width: copies through it keep every bit pattern (a
-    floating-point copy may rewrite NaN payloads)."""
-    return (
-        t
-        if t.dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
-        else t.view(_BITS[t.element_size()])
-    )
-
-
-def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
-    bits(dst).copy_(bits(src).reshape(dst.shape))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated import checksum
 from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
@@ -36,7 +37,6 @@ from colocate_runtime.colocated.inplace import (
     InPlaceLayout,
     SourcePiece,
     adoptable_by,
-    copy_bits,
 )
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id, process_gone
 from colocate_runtime.colocated.manifest import (
@@ -55,6 +55,7 @@ from colocate_runtime.colocated.metastore import (
     MetaStoreUnavailable,
     is_reader_claim,
     parse_claim,
+    proves,
 )
 from colocate_runtime.colocated.outcome import (
     MetaStoreLost,
@@ -570,11 +571,16 @@ class WeightWriter:
         if ack is None:
             return None
         owner = self.store.claim_owner(gen, step, self.uuid)
-        if not ack.reader or ack.reader != owner:
+        if not ack.reader or ack.reader != owner or not proves(owner, ack.proof):
+            why = (
+                "does not carry the claim's proof"
+                if ack.reader and ack.reader == owner
+                else "is not the claimant"
+            )
             self._reject_ack(
                 pending,
-                f"step {step}: ACK ({ack.status}) from {ack.reader or 'an unnamed writer'} refused: the step "
-                f"is claimed by {owner or 'nobody'}",
+                f"step {step}: ACK ({ack.status}) from {ack.reader or 'an unnamed writer'} refused: it {why} "
+                f"(the step is claimed by {owner or 'nobody'})",
             )
             return None
         pending.claimant = owner
@@ -645,7 +651,8 @@ class WeightWriter:
         ack = self.store.read_ack(p.gen, p.step, self.uuid)
         if ack is None or not ack.ipc_closed or not ack.reader:
             return None
-        if ack.reader != (p.claimant or self.store.claim_owner(p.gen, p.step, self.uuid)):
+        owner = p.claimant or self.store.claim_owner(p.gen, p.step, self.uuid)
+        if ack.reader != owner or not proves(owner, ack.proof):
             return None
         p.opened = None if ack.opened is None else frozenset(ack.opened)
         return self._unopened(p)
@@ -722,11 +729,17 @@ def _superseded(p: PendingStep, later: Ack) -> bool:
     """A later ACK shows that its reader holds no mapping of the parked step `p` (it opens one step at a time
     and closes it before its ACK), unless it lists `p` as still held. It speaks only for itself: a step that
     another reader claimed is not superseded. A step reported still mapped needs the reader's own word."""
-    if p.claimant is not None and p.claimant != later.reader:
+    if p.claimant is not None and _who(p.claimant) != _who(later.reader):
         return False
     if later.held is None:
         return not p.mapped
     return (p.gen, p.step) not in later.held
+
+
+def _who(claim: str | None) -> str | None:
+    """The reader behind a step's claim (its identity, without the step's proof digest)."""
+    who = parse_claim(claim)
+    return None if who is None else who.identity
 
 
 def _claimant_gone(claimant: str | None) -> bool:

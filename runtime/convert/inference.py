@@ -15,6 +15,7 @@ from functools import cached_property
 
 import torch
 
+from colocate_runtime.bits import copy_bits, foreach_copy_bits
 from colocate_runtime.convert.errors import ConvertError, MissingTensorError, ShapeMismatchError
 from colocate_runtime.convert.layout import SGLangLayout
 from colocate_runtime.convert.params import Placement, SGLangParam
@@ -63,18 +64,18 @@ class InferenceRankPlan:
     def write(self, params: Mapping[str, torch.Tensor], piece: TensorShard, data: torch.Tensor) -> None:
         """Copy a received canonical piece (any sub-box of a target) into the parameter that holds it."""
         with torch.no_grad():
-            self.destination(params, piece, data).copy_(data)
+            copy_bits(self.destination(params, piece, data), data)
 
     def write_many(
         self, params: Mapping[str, torch.Tensor], pieces: Iterable[tuple[TensorShard, torch.Tensor]]
     ) -> None:
-        """`write` for many pieces at once: one batched copy instead of a kernel launch per piece."""
+        """`write` for many pieces at once: one batched copy, not a kernel launch per piece (bitwise)."""
         destinations, sources = [], []
         for piece, data in pieces:
             destinations.append(self.destination(params, piece, data))
             sources.append(data)
         with torch.no_grad():
-            torch._foreach_copy_(destinations, sources)
+            foreach_copy_bits(destinations, sources)
 
     def destination(
         self, params: Mapping[str, torch.Tensor], piece: TensorShard, data: torch.Tensor

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated import strided
 from colocate_runtime.colocated.buckets import (
     BucketPlan,
@@ -23,7 +24,7 @@ from colocate_runtime.colocated.buckets import (
     check_plan,
 )
 from colocate_runtime.colocated.gather import compile_gather
-from colocate_runtime.colocated.inplace import InPlaceLayout, copy_bits
+from colocate_runtime.colocated.inplace import InPlaceLayout
 from colocate_runtime.colocated.manifest import (
     BucketRecord,
     Manifest,
@@ -257,7 +258,10 @@ def test_manifest_carries_views_and_refuses_ones_that_leave_their_storage() -> N
     plan = BucketPlan((BucketSpec(0, "bfloat16", 80),), (good,))
     check_plan(plan)
     for bad, why in [
-        (view_entry(((2, 2, 8), (24, 8, 1)), offset=2), "leaves bucket"),  # its last element ends past byte 80
+        (
+            view_entry(((2, 2, 8), (24, 8, 1)), offset=2),
+            "leaves bucket",
+        ),  # its last element ends past byte 80
         (view_entry(((2, 2, 8), (24, 8, 1)), offset=1), "misaligned"),
         (view_entry(((2, 3, 8), (24, 8, 1))), "does not describe"),
         (view_entry(((32,), (-1,))), "does not describe"),

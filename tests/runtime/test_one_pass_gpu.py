@@ -36,3 +36,20 @@ def test_in_place_step_installs_the_reference_conversion_bit_for_bit() -> None:
     # In place: the Megatron-style buffer is one exported storage and nothing is packed.
     assert by_mode["inplace"]["handles"] == 1 and by_mode["inplace"]["packed_gb"] == 0
     assert by_mode["separate"]["handles"] >= 1  # min-adopt 0: even single parameters are exported
+
+
+def test_every_batched_copy_on_the_weight_path_keeps_nan_payloads() -> None:
+    """`torch._foreach_copy_` on bf16 rewrites NaN payloads on a GPU; the weight path copies through integer
+    views (p2p packing, SGLang-side write_many, the colocated packing)."""
+    from colocate_runtime.bits import copy_bits, foreach_copy_bits
+
+    srcs = [torch.randint(-(1 << 15), 1 << 15, (4096,), dtype=torch.int16, device="cuda") for _ in range(64)]
+    for s in srcs:
+        s[::5] = 0x7FC1  # quiet NaNs with a payload
+    srcs = [s.view(torch.bfloat16) for s in srcs]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    foreach_copy_bits(dsts, srcs)
+    assert all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in zip(dsts, srcs, strict=True))
+    one = torch.zeros_like(srcs[0])
+    copy_bits(one, srcs[0])
+    assert torch.equal(one.view(torch.int16), srcs[0].view(torch.int16))
