@@ -522,7 +522,8 @@ def table(results: list[dict]) -> str:
         "\n".join(lines)
         + "\n(ms, median of the timed steps; end-to-end = publish + the wait from the manifest's write to the"
         " ACK (the trainer's pack, a copy of every byte except in_place, is shown apart); open = time in"
-        " the open calls, copy = the rest of open+copy until the device is done: they overlap; floor: best of five, flat = one copy of all the bytes, loop = copy_ per tensor)"
+        " the open calls, copy = the rest of open+copy until the device is done: they overlap; floor: best of"
+        " five, flat = one copy of all the bytes, loop = copy_ per tensor)"
     )
 
 
