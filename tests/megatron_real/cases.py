@@ -141,6 +141,7 @@ class Case:
     tp: int = 1
     ep: int = 1
     etp: int | None = None  # None: Megatron's default (= tp)
+    legacy_grouped: bool = False  # also save the state dict of Megatron's legacy GroupedMLP experts
 
     @property
     def padded_vocab(self) -> int:
@@ -151,7 +152,7 @@ class Case:
 CASES = (
     Case("qwen3-tp1", QWEN3),
     Case("qwen3-tp2", QWEN3, tp=2),
-    Case("qwen3_moe-ep2", QWEN3_MOE, ep=2),
+    Case("qwen3_moe-ep2", QWEN3_MOE, ep=2, legacy_grouped=True),
     Case("qwen3_moe-tp2", QWEN3_MOE, tp=2),
     Case("deepseek_v3-ep2", DEEPSEEK_V3, ep=2),
     Case("deepseek_v3-tp2", DEEPSEEK_V3, tp=2),

@@ -15,6 +15,7 @@ spec (te_names.py), since Transformer-Engine cannot be built here.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import transformers
 from colocate_runtime.convert import (
     MegatronLayout,
     MegatronRank,
+    MissingTensorError,
     ShapeMismatchError,
     canonical_tensors,
     model_spec,
@@ -190,7 +192,17 @@ def test_split_mla_down_projection_refused_when_layout_says_duplicated(
     state = ranks[0]["state"]
     held = next(name for name in state if name.endswith("linear_kv_down_proj.weight"))
     rank = MegatronRank(**ranks[0]["coords"])
-    with pytest.raises(
-        ShapeMismatchError, match=rf"{held}: expected local shape .* got {tuple(state[held].shape)}"
-    ):
+    shown = re.escape(str(tuple(state[held].shape)))
+    with pytest.raises(ShapeMismatchError, match=rf"{re.escape(held)}: expected local shape .* got {shown}"):
         trainer_plan(model_spec(case.hf), layout(case, mla_down_split=False), rank).convert(state)
+
+
+def test_legacy_grouped_mlp_refused_naming_what_the_rank_holds(release_dumps: Path) -> None:
+    case = next(c for c in CASES if c.legacy_grouped)
+    record = load(release_dumps, case)[1]
+    state = record["legacy_state"]
+    held = next(name for name in state if name.endswith("mlp.experts.weight1"))
+    plan = trainer_plan(model_spec(case.hf), layout(case), MegatronRank(**record["coords"]))
+    shown = re.escape(f"{held} {tuple(state[held].shape)}")
+    with pytest.raises(MissingTensorError, match=f"holds instead: .*{shown}"):
+        plan.convert(state)

@@ -141,7 +141,7 @@ def te_spec(case: Case) -> dict[str, str]:
     return out
 
 
-def build(case: Case) -> tuple[torch.nn.Module, dict[str, int]]:
+def build(case: Case, **overrides: Any) -> tuple[torch.nn.Module, dict[str, int]]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -157,6 +157,7 @@ def build(case: Case) -> tuple[torch.nn.Module, dict[str, int]]:
         "tensor_model_parallel_size": case.tp,
         "expert_model_parallel_size": case.ep,
         "expert_tensor_parallel_size": case.etp,
+        **overrides,
     }
     config = (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
@@ -182,6 +183,23 @@ def build(case: Case) -> tuple[torch.nn.Module, dict[str, int]]:
     return model.eval(), coords
 
 
+def legacy_grouped_state(case: Case) -> dict[str, torch.Tensor]:
+    """The rank's state dict with `moe_grouped_gemm` on the local spec: Megatron's legacy GroupedMLP (all
+    local experts in `experts.weight1`/`weight2`), a layout the converters refuse. Only built, never run, so
+    its check for the grouped_gemm kernels (CUDA only) is skipped."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import experts
+
+    check = experts.gg.assert_grouped_gemm_is_available
+    experts.gg.assert_grouped_gemm_is_available = lambda: None
+    try:
+        model, _ = build(case, moe_grouped_gemm=True)
+    finally:
+        experts.gg.assert_grouped_gemm_is_available = check
+    ps.destroy_model_parallel()
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
 def run_case(case: Case, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -196,9 +214,11 @@ def run_case(case: Case, out: Path) -> None:
         logits = gather_from_tensor_model_parallel_region(model(ids, positions, mask))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     record = {"state": state, "coords": coords, "ids": ids, "logits": logits, "te_spec": te_spec(case)}
+    ps.destroy_model_parallel()
+    if case.legacy_grouped:
+        record["legacy_state"] = legacy_grouped_state(case)
     (out / case.name).mkdir(parents=True, exist_ok=True)
     torch.save(record, out / case.name / f"rank{dist.get_rank()}.pt")
-    ps.destroy_model_parallel()
 
 
 def main(argv: list[str]) -> None:
