@@ -560,6 +560,11 @@ def test_an_object_holding_a_childs_name_is_a_condition_on_the_job(
     assert pods(cluster, namespace) == []
     assert len(job_events(cluster, namespace, "NameTaken")) == 1
     assert job_status(cluster, namespace)["phase"] == "Pending"
+    # Nor does the operator's step follower send the job's password there.
+    assert (
+        f"services {namespace}/demo-metastore is not owned by the job: not dialing it"
+        in operator_process.log()
+    )
 
     cluster.kubectl("delete", "service", "demo-metastore", "-n", namespace)
     wait_phase(cluster, namespace, "Running")
