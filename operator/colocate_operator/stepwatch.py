@@ -84,13 +84,20 @@ def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) ->
 
 
 def write_status(
-    api: kube.Kube, namespace: str, name: str, tracker: StepTracker, stalled: bool, deadline: float
+    api: kube.Kube,
+    namespace: str,
+    name: str,
+    tracker: StepTracker,
+    stalled: bool,
+    deadline: float,
+    uid: str | None = None,
 ) -> bool:
     """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest).
-    False when every try lost a conflict; raises JobGone when the job no longer exists."""
+    False when every try lost a conflict; raises JobGone when the job no longer exists, or when `uid` is
+    given and the job of that name is a newer one (deleted and created again: it gets its own follower)."""
     for _ in range(5):
         body = api.get(kube.COLOCATE_JOBS, namespace, name)
-        if body is None:
+        if body is None or (uid is not None and body["metadata"].get("uid") != uid):
             raise JobGone(f"{namespace}/{name}")
         current = (body.get("status") or {}).get("conditions") or []
         merged = conditions.merge(
@@ -329,7 +336,8 @@ async def _maybe_write(
         return
     if not (writes.dirty or heartbeat_due or stalled != writes.written_stalled):
         return
-    if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline):
+    uid = body["metadata"].get("uid")
+    if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline, uid):
         writes.retry_at = now + CONFLICT_RETRY_SECONDS  # lost every try to other writers: back off a little
         return
     writes.dirty = False

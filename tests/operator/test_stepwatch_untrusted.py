@@ -218,3 +218,43 @@ def test_a_new_follower_trims_a_huge_stream_before_replaying_it(
         f"\nreplay of a {entries}-entry stream: step 2 after {elapsed:.1f} s, {client.xlen(key)} entries left"
     )
     assert client.xlen(key) <= STREAM_MAXLEN + 2000, "trimmed before the replay"
+
+
+def test_the_follower_of_a_job_created_again_under_its_name_leaves_the_new_job_alone(
+    cluster: Any,
+    namespace: str,
+    crd: Any,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """L8: the job is deleted and created again under the same name while the operator misses both watch
+    events. The old follower (old spec, old tracker) must not write into the new job's status: it stops."""
+    start_job(cluster, namespace, redis_server)
+    manifest = get_json(cluster, "colocatejob", "steps", "-n", namespace)
+    manifest["metadata"] = {"name": "steps", "namespace": namespace}
+    manifest.pop("status", None)
+    client = redis_server.client()
+    api = kube.Kube.from_environment()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(follow(namespace, "steps", api, CONFIG))
+        for gpu in GPUS:
+            emit(client, namespace, 1, gpu)
+        deadline = time.monotonic() + 30
+        while status(cluster, namespace).get("weightSync", {}).get("lastCompletedStep") != 1:
+            assert time.monotonic() < deadline and not task.done(), "step 1 not in status within 30 s"
+            await asyncio.sleep(0.3)
+        await asyncio.to_thread(cluster.kubectl, "delete", "colocatejob", "steps", "-n", namespace)
+        await asyncio.to_thread(cluster.kubectl, "apply", "-f", "-", input=json.dumps(manifest))
+        for gpu in GPUS:
+            emit(client, namespace, 2, gpu)
+        try:
+            await asyncio.wait_for(task, 30)
+        except TimeoutError:
+            raise AssertionError(
+                "the old job's follower still runs 30 s after the job was replaced"
+            ) from None
+
+    asyncio.run(scenario())
+    assert "lastCompletedStep" not in status(cluster, namespace).get("weightSync", {}), (
+        "the old follower wrote into the new job's status"
+    )
