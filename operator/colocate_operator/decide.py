@@ -185,6 +185,7 @@ def decide(
             "Normal", Reason.CREATED_META_STORE, f"Created Redis meta-store {names.metastore(job.ref.name)}"
         )
     name_taken = _name_taken_message(p)
+    meta_taken = store.mode == "Managed" and any(f.key in _metastore_names(job) for f in observed.foreign)
     meta_ready = _metastore_condition(p, store)
 
     if spec.suspend:
@@ -300,6 +301,12 @@ def decide(
             )
             requeue = SOON
 
+    if name_taken and not meta_taken:
+        # Said on PodsReady whatever else is pending (the Event is posted once per NameTaken spell).
+        pods_condition = Condition(
+            Cond.PODS_READY, False, Reason.NAME_TAKEN, f"pods are held up: {name_taken}"
+        )
+        requeue = _min_delay(requeue, NAME_TAKEN_RECHECK)
     ready = _pods_condition(p, current, pods_condition)
     _resources_condition(p, current)
     running = ready and meta_ready and bool(new["groupCreated"])

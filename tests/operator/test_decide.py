@@ -854,3 +854,20 @@ def test_a_partly_placed_gang_gives_its_gpus_back_after_the_placement_timeout() 
     assert failed.status["phase"] == Phase.FAILED
     assert "give their GPUs back" in cond(failed, Cond.FAILED)["message"]
     assert [d.name for d in failed.deletes] == ["demo-0", "demo-1"], "the placed pod's GPUs are freed"
+
+
+def test_a_name_taken_while_the_group_runs_is_said_once() -> None:
+    observed = running_observed()
+    observed = replace(
+        observed, children=INFRA - {"Service/demo"}, foreign=(taken("Service/demo", owner=""),)
+    )
+    plan = run(running_status(), observed)
+    assert created(plan, "Service") == [] and plan.deletes == ()
+    pods_ready = cond(plan, Cond.PODS_READY)
+    assert (pods_ready["reason"], "Service ns/demo exists" in pods_ready["message"]) == (
+        Reason.NAME_TAKEN,
+        True,
+    )
+    assert reasons(plan).count(Reason.NAME_TAKEN) == 1
+    again = run(plan.status, observed)
+    assert Reason.NAME_TAKEN not in reasons(again)
