@@ -15,8 +15,8 @@ differently).
 | `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
 | `{p}:g{gen}:ready:{uuid}` | list, TTL | trainer | step numbers whose manifest is published |
 | `{p}:g{gen}:s{step}:manifest:{uuid}` | bytes (msgpack), TTL, NX | trainer | manifest.py |
-| `{p}:g{gen}:s{step}:claim:{uuid}` | string, TTL, NX | reader before opening / trainer | `reader`/`revoked` |
-| `{p}:g{gen}:s{step}:ack:{uuid}` | JSON, TTL, NX | reader | manifest.Ack (states `ipc_closed`) |
+| `{p}:g{gen}:s{step}:claim:{uuid}` | string, TTL, NX | reader before opening / trainer | see below |
+| `{p}:g{gen}:s{step}:ack:{uuid}` | JSON, TTL, NX | the claimant | manifest.Ack (`ipc_closed`, opened) |
 | `{p}:g{gen}:s{step}:ackq:{uuid}` | list, TTL | reader | a token pushed with the ACK (trainer blocks on it) |
 | `{p}:g{gen}:s{step}:abort` | string, TTL | anyone | reason; aborts this step |
 | `{p}:preflight:r{replica}` | hash, TTL | trainer | UUID -> JSON `{gen, attempt}`: the pod's newest offers |
@@ -25,6 +25,10 @@ differently).
 | `{p}:g{gen}:pf{n}:claim:{uuid}` | string, TTL, NX | reader before opening / trainer | reader / `revoked` |
 | `{p}:g{gen}:pf{n}:result:{uuid}` | JSON, TTL, NX | reader | the verdict, written after the verified close |
 | `{p}:g{gen}:pf{n}:resultq:{uuid}` | list, TTL | reader | a token pushed with the verdict (trainer waits) |
+
+A step's claim is `revoked` (the trainer gave up first) or `reader:{host}:{pid}:{instance}:{sha1(proof)}`:
+the reader instance that claimed it and the digest of a per-step proof; only an ACK carrying that proof is
+written (metastore.write_ack) and counted by the trainer.
 """
 
 from __future__ import annotations

@@ -340,9 +340,10 @@ class Ack:
     error: str = ""
     reader_pid: int = 0
     reader_host: str = ""
-    # The claim this ACK answers (the reader's identity, metastore.reader_claim): an ACK from anyone else
-    # frees nothing. Empty from a reader that predates claim binding.
+    # The claim this ACK answers (metastore.step_claim: the reader's identity and the digest of `proof`) and
+    # the proof itself: an ACK that does not prove the step's claim frees nothing.
     reader: str = ""
+    proof: str = ""
     # Bucket indices this reader mapped in this step: the trainer releases the others' IPC share itself.
     # None: not said (an older reader), so the trainer assumes every bucket was mapped.
     opened: tuple[int, ...] | None = None
@@ -371,6 +372,7 @@ class Ack:
                 "reader_pid": self.reader_pid,
                 "reader_host": self.reader_host,
                 "reader": self.reader,
+                "proof": self.proof,
                 "opened": None if self.opened is None else list(self.opened),
                 "held": None if self.held is None else [list(h) for h in self.held],
             },
@@ -395,6 +397,7 @@ class Ack:
                 reader_pid=int(d.get("reader_pid", 0)),
                 reader_host=str(d.get("reader_host", "")),
                 reader=str(d.get("reader", "")),
+                proof=str(d.get("proof", "")),
                 opened=_ack_ints(d.get("opened"), "opened"),
                 held=_ack_held(d.get("held")),
             )

@@ -9,6 +9,8 @@ until their deadline), a refused password as `MetaStoreAuthError`. The password 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,12 +56,14 @@ if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then winner = re
 return {manifest, winner, redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4])}
 """
 
-# The reader's ACK (NX), written only by the holder of the step's claim (KEYS[3] == ARGV[4]), and its token
-# pushed. A value already there that the claimant did not write (forged, or not JSON) is replaced, so a
-# stray writer cannot lock the claimant out. -1 = not the claimant, 1 = written, 2 = the same ACK was there
-# (a retry), 3 = replaced a stray value, 0 = the claimant already wrote a different ACK.
+# The reader's ACK (NX), written only by the holder of the step's claim: the claim (KEYS[3]) is the ACK's
+# reader (ARGV[4]) and ends with the SHA-1 of the ACK's proof (ARGV[5]). Its token is pushed. A value already
+# there that the claimant did not write (forged, not JSON, or without the proof) is replaced, so a stray
+# writer cannot lock the claimant out. -1 = not the claimant, 1 = written, 2 = the same ACK was there (a
+# retry), 3 = replaced a stray value, 0 = the claimant already wrote a different ACK.
 _WRITE_ACK = """
-if redis.call('GET', KEYS[3]) ~= ARGV[4] then return -1 end
+local claim = redis.call('GET', KEYS[3])
+if not claim or claim ~= ARGV[4] or string.sub(claim, -40) ~= redis.sha1hex(ARGV[5]) then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('RPUSH', KEYS[2], ARGV[3])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -68,7 +72,10 @@ end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then return 2 end
 local ok, old = pcall(cjson.decode, current)
-if ok and type(old) == 'table' and old['reader'] == ARGV[4] then return 0 end
+if ok and type(old) == 'table' and old['reader'] == claim and type(old['proof']) == 'string'
+    and redis.sha1hex(old['proof']) == string.sub(claim, -40) then
+  return 0
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -89,25 +96,38 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return 2 end
 return 0
 """
 
-CLAIM_READER = "reader"  # a reader's claim is `reader:{host}:{pid}:{token}` (reader_claim)
+CLAIM_READER = "reader"  # a reader's claim of a step: `reader:{host}:{pid}:{instance}:{sha1(proof)}`
 CLAIM_REVOKED = "revoked"
 
 
 @dataclass(frozen=True, slots=True)
 class Claimant:
-    """The reader that holds a step's claim: its process (for liveness) and the token of its instance."""
+    """The reader named by a step's claim: its process (for liveness), its instance, and the SHA-1 of the
+    step's proof (the claim is public; the proof appears first in the claimant's own ACK)."""
 
     host: str
     pid: int
-    token: str
+    instance: str
+    digest: str
+
+    @property
+    def identity(self) -> str:
+        return reader_identity(self.host, self.pid, self.instance)
 
 
-def reader_claim(host: str, pid: int, token: str) -> str:
-    """A reader's claim value: its identity and incarnation (a fresh token per reader instance). Its ACKs
-    carry the same value, and the writer frees nothing on an ACK from anyone else."""
-    if ":" in host or ":" in token or not token:
-        raise ValueError(f"reader identity needs a host and a token without ':', got {host!r}, {token!r}")
-    return f"{CLAIM_READER}:{host}:{pid}:{token}"
+def reader_identity(host: str, pid: int, instance: str) -> str:
+    """Who a reader is: its process and a fresh token per reader instance (its incarnation)."""
+    if ":" in host or ":" in instance or not instance:
+        raise ValueError(
+            f"reader identity needs a host and an instance without ':', got {host!r}, {instance!r}"
+        )
+    return f"{CLAIM_READER}:{host}:{pid}:{instance}"
+
+
+def step_claim(identity: str, proof: str) -> str:
+    """The claim value of one step: the reader's identity and the digest of a proof only it knows until its
+    ACK shows it, so an ACK is bound to the claim (the writer checks both; see `proves`)."""
+    return f"{identity}:{hashlib.sha1(proof.encode()).hexdigest()}"
 
 
 def is_reader_claim(value: str | None) -> bool:
@@ -117,9 +137,19 @@ def is_reader_claim(value: str | None) -> bool:
 def parse_claim(value: str | None) -> Claimant | None:
     """The reader named by a claim value; None for `revoked`, a bare legacy `reader`, or garbage."""
     parts = (value or "").split(":")
-    if len(parts) != 4 or parts[0] != CLAIM_READER or not parts[2].isdigit():
+    if len(parts) != 5 or parts[0] != CLAIM_READER or not parts[2].isdigit() or len(parts[4]) != 40:
         return None
-    return Claimant(parts[1], int(parts[2]), parts[3])
+    return Claimant(parts[1], int(parts[2]), parts[3], parts[4])
+
+
+def proves(claim: str | None, proof: str) -> bool:
+    """The proof belongs to the claim: only the claimant could have written an ACK carrying it."""
+    who = parse_claim(claim)
+    return (
+        who is not None
+        and bool(proof)
+        and hmac.compare_digest(who.digest, hashlib.sha1(proof.encode()).hexdigest())
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,8 +378,8 @@ class MetaStore:
 
     @_translated
     def write_ack(self, gen: int, step: int, uuid: str, ack: Ack) -> bool:
-        """Write the ACK of the step this reader claimed (`ack.reader` must be the claim's value). False: the
-        same ACK was already there (an idempotent retry)."""
+        """Write the ACK of the step this reader claimed (`ack.reader` must be the claim's value and
+        `ack.proof` its proof). False: the same ACK was already there (an idempotent retry)."""
         text = ack.to_json()
         # The ACK itself is the queue's token, so the waiting writer needs no second read (see wait_ack).
         result = int(
@@ -359,7 +389,7 @@ class MetaStore:
                     self.keys.ack_queue(gen, step, uuid),
                     self.keys.claim(gen, step, uuid),
                 ],
-                args=[text, self.key_ttl_ms, text, ack.reader],
+                args=[text, self.key_ttl_ms, text, ack.reader, ack.proof],
             )
         )
         if result == -1:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import hmac
 import logging
 import math
 import os
@@ -37,7 +39,13 @@ from colocate_runtime.colocated.gather import GatherProgram, compile_gather
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
 from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
-from colocate_runtime.colocated.metastore import MetaStore, MetaStoreError, MetaStoreUnavailable, reader_claim
+from colocate_runtime.colocated.metastore import (
+    MetaStore,
+    MetaStoreError,
+    MetaStoreUnavailable,
+    reader_identity,
+    step_claim,
+)
 from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
@@ -168,8 +176,10 @@ class WeightReader:
         self.exchange = exchange
         self.finalize = finalize
         self.uuid = importer.device_uuid()
-        # The claim value of this reader instance: only its own ACKs free the trainer's buckets.
-        self.identity = reader_claim(host_id(), os.getpid(), secrets.token_hex(6))
+        # Who this reader instance is; each step's claim adds the digest of a per-step proof (claim_for), and
+        # only an ACK carrying that proof frees the trainer's buckets.
+        self.identity = reader_identity(host_id(), os.getpid(), secrets.token_hex(6))
+        self._secret = secrets.token_bytes(16)
         self._unreleased: list[tuple[int, int, ImportScope]] = []  # failed closes: (gen, step, their scope)
         self.history = UpdateHistory()
         self.gen: int | None = None
@@ -288,11 +298,11 @@ class WeightReader:
     def _fetch_and_apply(self, gen: int, step: int) -> StepReport | None:
         t0 = time.perf_counter()
         # Manifest, claim and abort keys in one round trip (no claim when the manifest is gone).
-        fetched = self.store.fetch_step(gen, step, self.uuid, self.identity)
+        fetched = self.store.fetch_step(gen, step, self.uuid, self.claim_for(gen, step))
         if fetched is None:
             log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
             return None
-        if fetched.winner != self.identity:
+        if fetched.winner != self.claim_for(gen, step):
             log.warning("step %d: claimed by %s before this reader; skipped", step, fetched.winner)
             return None
         try:
@@ -307,7 +317,7 @@ class WeightReader:
                 error=f"ManifestError: {err}",
                 reader_pid=os.getpid(),
                 reader_host=host_id(),
-                reader=self.identity,
+                **self._signed(gen, step),
                 opened=(),
                 held=self._held(),
             )
@@ -408,7 +418,7 @@ class WeightReader:
             error=f"checksum mismatch: {mismatches}" if mismatches else "",
             reader_pid=os.getpid(),
             reader_host=host_id(),
-            reader=self.identity,
+            **self._signed(gen, step),
             opened=close.opened,
             held=self._held(),
         )
@@ -701,6 +711,17 @@ class WeightReader:
                     raise
                 time.sleep(0.2)
 
+    def claim_for(self, gen: int, step: int) -> str:
+        """This reader's claim value for one step (a caller of `apply` claims the step with it)."""
+        return step_claim(self.identity, self._proof(gen, step))
+
+    def _proof(self, gen: int, step: int) -> str:
+        # Per step and never stored: an ACK of one step shows nothing that would let anyone forge the next.
+        return hmac.new(self._secret, f"{self.uuid}:{gen}:{step}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _signed(self, gen: int, step: int) -> dict[str, str]:
+        return {"reader": self.claim_for(gen, step), "proof": self._proof(gen, step)}
+
     def _remember_unreleased(self, gen: int, step: int, scope: ImportScope, close: CloseReport) -> None:
         """A failed close: its mappings live on; later ACKs list the step in `held` until they are gone."""
         if not close.released:
@@ -725,7 +746,7 @@ class WeightReader:
             error=f"{type(err).__name__}: {err}",
             reader_pid=os.getpid(),
             reader_host=host_id(),
-            reader=self.identity,
+            **self._signed(manifest.gen, manifest.step),
             opened=close.opened,
             held=self._held(),
         )

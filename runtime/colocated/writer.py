@@ -9,7 +9,14 @@ The rule the whole protocol serves: a bucket is freed only after an ACK that say
 the reader is known dead, or when the reader provably never opened it (the trainer won the step's claim).
 Otherwise the buckets are parked, never reused, and freed later when one of those becomes true (a reader that
 acknowledges a later step holds no mapping of an earlier one: it opens one step at a time and closes it
-before its ACK).
+before its ACK), unless that reader reported the earlier step still mapped (its ACKs list such steps as
+`held`), or the later ACK is another reader's.
+
+Only the claimant's ACK counts: it names the step's claim and carries the proof whose digest the claim ends
+with (metastore.step_claim). Any other ACK, and one that does not decode, is logged, reported once as an
+`ack_rejected` event, and frees nothing; the wait goes on. Before freeing, the writer gives up torch's CUDA
+IPC share of every bucket no reader will close (never announced, revoked, not in the ACK's `opened` list,
+or whose reader is gone: `BucketExporter.release`); otherwise torch keeps that memory until the trainer exits.
 
 Unless the IPC preflight is `Off`, no step is published on a GPU before its preflight passed in this
 incarnation (preflight.py): `start()` runs it, and `publish()` runs it first if `start` did not.

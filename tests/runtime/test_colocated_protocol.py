@@ -15,7 +15,7 @@ import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.manifest import Ack, decode_manifest
-from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED, reader_claim
+from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED, reader_identity, step_claim
 from colocate_runtime.colocated.outcome import (
     CoverageError,
     MetaStoreLost,
@@ -151,8 +151,8 @@ def test_fetch_step_claims_only_an_existing_manifest_and_reads_aborts(
 
 def test_wait_ack_takes_the_ack_from_its_token_or_reads_it(cfg: ColocateConfig, writer: WeightWriter) -> None:
     store, gen, uuid = writer.store, writer.gen, writer.uuid
-    me = reader_claim("host", 1, "tok")
-    ack = Ack(status="ok", ipc_closed=True, bytes_copied=5, reader=me)
+    me = step_claim(reader_identity("host", 1, "tok"), "p")
+    ack = Ack(status="ok", ipc_closed=True, bytes_copied=5, reader=me, proof="p")
     store.claim(gen, 1, uuid, me)
     store.write_ack(gen, 1, uuid, ack)
     assert store.wait_ack(gen, 1, uuid, 1.0) == ack
@@ -334,8 +334,8 @@ def test_an_older_step_is_refused_by_apply_and_its_trainer_learns_at_once(
     store, gen, uuid = writer.store, writer.gen, writer.uuid
 
     def claimed(step: int):  # a caller of apply() claims the step for the reader (its identity)
-        fetched = store.fetch_step(gen, step, uuid, reader.identity)
-        assert fetched is not None and fetched.winner == reader.identity
+        fetched = store.fetch_step(gen, step, uuid, reader.claim_for(gen, step))
+        assert fetched is not None and fetched.winner == reader.claim_for(gen, step)
         return decode_manifest(fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=uuid)
 
     try:

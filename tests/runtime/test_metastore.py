@@ -21,14 +21,16 @@ from colocate_runtime.colocated.metastore import (
     MetaStoreUnavailable,
     NotClaimant,
     parse_claim,
-    reader_claim,
+    proves,
+    reader_identity,
+    step_claim,
 )
 from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = KeySchema("ns1", "job1")
 UUID = "GPU-test-0"
-ME = reader_claim("host-a", 4242, "t0k3n")
+ME = step_claim(reader_identity("host-a", 4242, "t0k3n"), "proof-1")
 
 
 @pytest.fixture
@@ -76,7 +78,7 @@ def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -
     store.publish_manifest(gen, 1, UUID, b"m")
     store.publish_manifest(gen, 2, UUID, b"m")
     store.claim(gen, 1, UUID, ME)
-    store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=ME))
+    store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=ME, proof="proof-1"))
     store.abort(gen, 1, "test", "tester")
     store.abort(gen, None, "test", "tester")
     store.heartbeat("reader", UUID, {"x": 1}, ttl_s=5)
@@ -99,7 +101,15 @@ def test_ack_wakes_the_waiter_and_states_ipc_closed(store: MetaStore) -> None:
     gen = store.start_incarnation(UUID)
     assert store.wait_ack(gen, 1, UUID, 0.05) is None
     store.claim(gen, 1, UUID, ME)
-    ack = Ack(status="ok", ipc_closed=True, bytes_copied=10, seconds={"copy": 0.1}, reader=ME, opened=(0, 1))
+    ack = Ack(
+        status="ok",
+        ipc_closed=True,
+        bytes_copied=10,
+        seconds={"copy": 0.1},
+        reader=ME,
+        proof="proof-1",
+        opened=(0, 1),
+    )
     assert store.write_ack(gen, 1, UUID, ack) is True
     assert store.write_ack(gen, 1, UUID, ack) is False
     got = store.wait_ack(gen, 1, UUID, 1.0)
@@ -248,27 +258,39 @@ def test_only_the_claimant_can_ack_and_a_stray_value_cannot_lock_it_out(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
     gen = store.start_incarnation(UUID)
-    other = reader_claim("host-a", 4243, "0th3r")
-    assert parse_claim(ME) is not None and parse_claim(ME).pid == 4242
-    assert parse_claim(CLAIM_REVOKED) is None and parse_claim("reader:x:notapid:t") is None
-    mine = Ack(status="ok", ipc_closed=True, reader=ME, opened=(0,))
+    other = step_claim(reader_identity("host-a", 4243, "0th3r"), "proof-x")
+    who = parse_claim(ME)
+    assert who is not None and (who.host, who.pid, who.identity) == (
+        "host-a",
+        4242,
+        "reader:host-a:4242:t0k3n",
+    )
+    assert parse_claim(CLAIM_REVOKED) is None and parse_claim("reader:x:notapid:t:" + "0" * 40) is None
+    assert proves(ME, "proof-1") and not proves(ME, "proof-2") and not proves(ME, "")
+    mine = Ack(status="ok", ipc_closed=True, reader=ME, proof="proof-1", opened=(0,))
     with pytest.raises(NotClaimant, match="claimed by nobody"):
         store.write_ack(gen, 1, UUID, mine)  # nothing claimed yet
     assert store.claim(gen, 1, UUID, ME) == ME
     with pytest.raises(NotClaimant, match=f"claimed by {ME}, not by {other}"):
-        store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=other))
-    assert store.read_ack(gen, 1, UUID) is None  # the refused ACK wrote nothing
-    # A stray process writes the ACK key and its token directly: the claimant's own ACK still gets through.
+        store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=other, proof="proof-x"))
+    with pytest.raises(NotClaimant):  # the claim's value is public; its proof is not
+        store.write_ack(gen, 1, UUID, Ack(status="ok", ipc_closed=True, reader=ME, proof="guess"))
+    assert store.read_ack(gen, 1, UUID) is None  # the refused ACKs wrote nothing
+    # A stray process writes the ACK key and its token directly (even naming the claim): the claimant's own
+    # ACK still gets through.
     client = redis_server.client()
-    forged = Ack(status="ok", ipc_closed=True, reader=other).to_json()
-    client.set(KEYS.ack(gen, 1, UUID), forged)
-    client.rpush(KEYS.ack_queue(gen, 1, UUID), forged)
-    assert store.wait_ack(gen, 1, UUID, 1.0).reader == other  # the writer sees it (and refuses it)
+    for forged in (
+        Ack(status="ok", ipc_closed=True, reader=other, proof="proof-x").to_json(),
+        Ack(status="ok", ipc_closed=True, reader=ME, proof="guess").to_json(),
+    ):
+        client.set(KEYS.ack(gen, 1, UUID), forged)
+        client.rpush(KEYS.ack_queue(gen, 1, UUID), forged)
+        assert store.wait_ack(gen, 1, UUID, 1.0).to_json() == forged  # the writer sees it (and refuses it)
     assert store.write_ack(gen, 1, UUID, mine) is True
     assert store.wait_ack(gen, 1, UUID, 1.0) == mine
     assert store.write_ack(gen, 1, UUID, mine) is False  # a retry of the same ACK
     with pytest.raises(MetaStoreConflict):
-        store.write_ack(gen, 1, UUID, Ack(status="error", ipc_closed=True, reader=ME))
+        store.write_ack(gen, 1, UUID, Ack(status="error", ipc_closed=True, reader=ME, proof="proof-1"))
 
 
 def test_a_malformed_ack_is_a_clear_error_not_a_crash(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
