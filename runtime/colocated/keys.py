@@ -73,6 +73,10 @@ class KeySchema:
     def claim(self, gen: int, step: int, uuid: str) -> str:
         return f"{self.step_prefix(gen, step)}:claim:{uuid}"
 
+    def layout(self, gen: int, uuid: str, ref: str) -> str:
+        """A large layout's packed entries, written once and named by manifests (manifest.py)."""
+        return f"{self.prefix}:g{gen}:layout:{uuid}:{ref}"
+
     def ack(self, gen: int, step: int, uuid: str) -> str:
         return f"{self.step_prefix(gen, step)}:ack:{uuid}"
 

@@ -337,6 +337,18 @@ class MetaStore:
         return None if got is None else int(got[1])
 
     @_translated
+    def keep_layout(self, gen: int, uuid: str, ref: str, blob: bytes) -> None:
+        """Make a layout readable for the next `key_ttl` (written only when it is not there: one round trip a
+        step for a layout of megabytes)."""
+        key = self.keys.layout(gen, uuid, ref)
+        if not self.client.pexpire(key, self.key_ttl_ms):
+            self.client.set(key, blob, px=self.key_ttl_ms)
+
+    @_translated
+    def read_layout(self, gen: int, uuid: str, ref: str) -> bytes | None:
+        return self.client.get(self.keys.layout(gen, uuid, ref))
+
+    @_translated
     def read_manifest(self, gen: int, step: int, uuid: str) -> bytes | None:
         return self.client.get(self.keys.manifest(gen, step, uuid))
 

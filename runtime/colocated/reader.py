@@ -307,7 +307,12 @@ class WeightReader:
             return None
         try:
             manifest = decode_manifest(
-                fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=self.uuid, cache=self._layouts
+                fetched.manifest,
+                expect_gen=gen,
+                expect_step=step,
+                expect_gpu=self.uuid,
+                cache=self._layouts,
+                layouts=lambda ref: self.store.read_layout(gen, self.uuid, ref),
             )
         except ManifestError as err:
             # Nothing was opened: say so at once, so the trainer frees instead of waiting for its timeout.

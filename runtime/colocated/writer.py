@@ -47,6 +47,7 @@ from colocate_runtime.colocated.inplace import (
 )
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id, process_gone
 from colocate_runtime.colocated.manifest import (
+    LAYOUT_BY_REFERENCE_BYTES,
     Ack,
     BucketRecord,
     LayoutEncoder,
@@ -343,7 +344,13 @@ class WeightWriter:
                 checksums=sums,
             )
             run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
-            self.store.publish_manifest(gen, step, self.uuid, encode_manifest(manifest, self._layout))
+            # A large layout is stored once under its hash and named by the manifest (not 5 MB a step).
+            packed = self._layout.entries_bytes(staged.entries)
+            by_reference = len(packed) >= LAYOUT_BY_REFERENCE_BYTES
+            if by_reference:
+                self.store.keep_layout(gen, self.uuid, self._layout.ref, packed)
+            blob = encode_manifest(manifest, self._layout, by_reference=by_reference)
+            self.store.publish_manifest(gen, step, self.uuid, blob)
         except BaseException:
             # Nothing was announced (or the announcement failed): no reader can hold these buckets.
             self.exporter.release(buckets)

@@ -26,13 +26,16 @@ from colocate_runtime.colocated.buckets import (
 from colocate_runtime.colocated.gather import compile_gather
 from colocate_runtime.colocated.inplace import InPlaceLayout
 from colocate_runtime.colocated.manifest import (
+    LAYOUT_BY_REFERENCE_BYTES,
     BucketRecord,
+    LayoutEncoder,
     Manifest,
     ManifestError,
     Producer,
     decode_manifest,
     encode_manifest,
 )
+from colocate_runtime.colocated.outcome import StepFailed
 from colocate_runtime.colocated.shm import SharedMemoryExporter
 from colocate_runtime.convert import (
     MegatronLayout,
@@ -43,6 +46,7 @@ from colocate_runtime.convert import (
     trainer_plan,
 )
 from tests.runtime.canonical_pieces import deliver
+from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -287,3 +291,83 @@ def test_manifest_carries_views_and_refuses_ones_that_leave_their_storage() -> N
     assert decode_manifest(manifest(good)).entries[0].view == ((2, 2, 8), (24, 8, 1))
     with pytest.raises(ManifestError, match="leaves bucket"):
         decode_manifest(manifest(view_entry(((2, 2, 8), (24, 8, 1)), offset=32)))
+
+
+@pytest.fixture
+def cfg(redis_server: RedisServer, tmp_path):  # noqa: F811
+    from colocate_runtime.colocated.config import ColocateConfig
+
+    return ColocateConfig.from_env(
+        {
+            "COLOCATE_JOB_NAME": "rl-job",
+            "COLOCATE_NAMESPACE": "team-a",
+            **redis_server.env(),
+            "COLOCATE_TRANSPORT": "SharedMemory",
+            "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
+            "COLOCATE_STEP_TIMEOUT_SECONDS": "5",
+            "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
+        }
+    )
+
+
+def many_tensors(step: int) -> dict[str, torch.Tensor]:
+    """A layout whose packed entries pass LAYOUT_BY_REFERENCE_BYTES (an MoE rank's thousands of experts)."""
+    g = torch.Generator().manual_seed(step)
+    return {f"model.layers.{i // 64}.mlp.experts.{i % 64}.w": random_bits(8, g) for i in range(3000)}
+
+
+def test_a_large_layout_is_stored_once_and_named_by_every_manifest(cfg) -> None:
+    from colocate_runtime.colocated.wiring import connect, new_reader, new_writer
+
+    store = connect(cfg)
+    targets = {n: torch.zeros_like(t) for n, t in many_tensors(0).items()}
+    writer, reader = new_writer(cfg), new_reader(cfg, targets)
+    try:
+        for step in (1, 2, 3):
+            pending = writer.publish(step, many_tensors(step))
+            blob = store.read_manifest(writer.gen, step, writer.uuid)
+            assert blob is not None and len(blob) < 4096  # the layout is not in the manifest
+            reader.apply_next(timeout_s=5)
+            writer.wait_and_free(pending)
+            got = {n: t.view(torch.int16) for n, t in targets.items()}
+            assert all(torch.equal(got[n], t.view(torch.int16)) for n, t in many_tensors(step).items())
+        assert reader._layouts.hits == 2  # read and checked once
+        layouts = list(store.client.scan_iter(match="*:layout:*"))
+        assert len(layouts) == 1 and len(store.client.get(layouts[0])) > LAYOUT_BY_REFERENCE_BYTES
+
+        # A reader that never saw the layout, and the layout gone: a clear error, nothing mapped.
+        fresh = new_reader(cfg, targets, preflight=False)
+        pending = writer.publish(4, many_tensors(4))
+        store.client.delete(layouts[0])
+        with pytest.raises(StepFailed, match="does not hold"):
+            fresh.apply_next(timeout_s=5)
+        with pytest.raises(StepFailed):
+            writer.wait_and_free(pending)
+        fresh.close()
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_layout_that_does_not_hash_to_its_name_is_refused() -> None:
+    entries = tuple(PlacedEntry(f"w{i}", "bfloat16", (4,), 0, 512 * i, 8) for i in range(4000))
+    m = Manifest(
+        "j",
+        "ns",
+        1,
+        1,
+        "GPU-x",
+        "1",
+        "SharedMemory",
+        Producer(0, 0, 1, "h"),
+        (BucketRecord(0, "bfloat16", 512 * 4000, {"kind": "SharedMemory"}),),
+        entries,
+    )
+    encoder = LayoutEncoder()
+    blob = encode_manifest(m, encoder, by_reference=True)
+    packed = encoder.entries_bytes(entries)
+    assert decode_manifest(blob, layouts={encoder.ref: packed}.get).entries == entries
+    with pytest.raises(ManifestError, match="does not hash"):
+        decode_manifest(blob, layouts=lambda ref: packed[:-1] + b"\x00")
+    with pytest.raises(ManifestError, match="does not hold"):
+        decode_manifest(blob, layouts=lambda ref: None)
