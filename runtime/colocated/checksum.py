@@ -25,13 +25,23 @@ def sample_names(names: Sequence[str], step: int, count: int) -> list[str]:
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    if n > MAX_SAMPLED_BYTES:
-        stride = n // MAX_SAMPLED_BYTES
-        flat = flat[::stride][:MAX_SAMPLED_BYTES]
-    values = flat.to(torch.int64)
-    weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % _MOD + 1
-    plain = int(values.sum().item())
-    weighted = int((values * weights).sum().item())
-    return f"{n}:{plain}:{weighted}"
+    return tensor_checksums([t])[0]
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """`tensor_checksum` of each, read back from the device at once (one synchronisation, not two each)."""
+    sums, sizes = [], []
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        if n > MAX_SAMPLED_BYTES:
+            stride = n // MAX_SAMPLED_BYTES
+            flat = flat[::stride][:MAX_SAMPLED_BYTES]
+        values = flat.to(torch.int64)
+        weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % _MOD + 1
+        sums.append(torch.stack([values.sum(), (values * weights).sum()]))
+        sizes.append(n)
+    if not sums:
+        return []
+    read = torch.stack([s.to(sums[0].device) for s in sums]).tolist()
+    return [f"{n}:{plain}:{weighted}" for n, (plain, weighted) in zip(sizes, read, strict=True)]

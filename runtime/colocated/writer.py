@@ -318,10 +318,11 @@ class WeightWriter:
         try:
             sums = {}
             if self.settings.checksum_entries > 0:
-                for name in checksum.sample_names(
+                names = checksum.sample_names(
                     [e.name for e in staged.entries], step, self.settings.checksum_entries
-                ):
-                    sums[name] = checksum.tensor_checksum(staged.data(name))
+                )
+                values = checksum.tensor_checksums([staged.data(n) for n in names])
+                sums = dict(zip(names, values, strict=True))
             for b in buckets:
                 self.exporter.export(b)
             self.exporter.synchronize()
