@@ -335,6 +335,45 @@ def test_a_preflight_answered_without_opening_releases_its_buffer(
         responder.wait()
 
 
+def test_share_count_reads_a_counter_file_laid_out_as_torchs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from colocate_runtime.colocated import ipc
+
+    monkeypatch.setattr(ipc, "_SHM_DIR", tmp_path)
+    counters = bytearray(ipc._REF_FILE_BYTES)
+    counters[ipc._REF_FILE_HEADER + 8 * 7 : ipc._REF_FILE_HEADER + 8 * 8] = (3).to_bytes(8, sys.byteorder)
+    (tmp_path / "torch_1_2_3").write_bytes(bytes(counters))
+    assert ipc.share_count(b"/torch_1_2_3", 7) == 3 and ipc.share_count(b"/torch_1_2_3", 6) == 0
+    assert ipc.share_count(b"/torch_9_9_9", 7) is None  # gone
+    assert ipc.share_count(b"/torch_1_2_3", 10_000) is None  # outside the file's counters
+    (tmp_path / "torch_4_5_6").write_bytes(bytes(100))
+    assert ipc.share_count(b"/torch_4_5_6", 0) is None  # not torch's layout: not read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torchs_share_count_is_read_and_released_in_place() -> None:
+    """The layout share_count assumes is the one this torch writes: a fresh export reads 1, a release takes
+    it to 0 (a second release leaves it there), and the freed bucket leaves no allocation behind."""
+    from colocate_runtime.colocated.ipc import CudaIpcExporter, share_count
+
+    torch.cuda.set_device(0)
+    exporter = CudaIpcExporter(0)
+    base = torch.cuda.memory_allocated()
+    bucket = exporter.allocate(0, 4 << 20, "t")
+    exporter.export(bucket)
+    d = bucket.descriptor
+    assert d is not None and share_count(d["ref_counter_handle"], d["ref_counter_offset"]) == 1
+    exporter.release([bucket])
+    assert share_count(d["ref_counter_handle"], d["ref_counter_offset"]) == 0
+    exporter.release([bucket])
+    assert share_count(d["ref_counter_handle"], d["ref_counter_offset"]) == 0
+    exporter.free([bucket])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base
+
+
 # --- items 2 and 4, L8: only the claimant's word frees -----------------------------------------------------
 
 
