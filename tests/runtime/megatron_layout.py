@@ -35,6 +35,7 @@ class Parallel:
     last: int | None = None  # decoder_last_pipeline_num_layers
     divisor: int = 8  # make_vocab_size_divisible_by
     grouped_gemm: bool = False  # TEGroupedMLP names: experts.linear_fc1.weight{i}
+    mla_down_split: bool = False  # MLA q/kv down projections column-parallel (local spec, TE spec < 0.14)
 
     @property
     def expert_tp(self) -> int:
@@ -46,7 +47,12 @@ class Parallel:
         else:
             pipeline = PipelineLayout.uneven(num_layers, self.pp, self.first, self.last, self.vpp)
         return MegatronLayout(
-            tp=self.tp, ep=self.ep, etp=self.etp, pipeline=pipeline, vocab_divisor=self.divisor
+            tp=self.tp,
+            ep=self.ep,
+            etp=self.etp,
+            pipeline=pipeline,
+            vocab_divisor=self.divisor,
+            mla_down_split=self.mla_down_split,
         )
 
     def ranks(self) -> Iterator[MegatronRank]:
@@ -128,14 +134,14 @@ def _layer(
     ]
     if is_mla:
         sa = "self_attention."
-        out[sa + "linear_kv_down_proj.weight"] = t[
-            f"{attn}.kv_a_proj_with_mqa.weight"
-        ]  # duplicated on TP ranks
+        # Duplicated on TP ranks (TELinear), or column-parallel: TP rank r holds rows block r.
+        down = (lambda w: _rows(w, tp, r)) if par.mla_down_split else (lambda w: w)
+        out[sa + "linear_kv_down_proj.weight"] = down(t[f"{attn}.kv_a_proj_with_mqa.weight"])
         out[sa + "linear_kv_up_proj.layer_norm_weight"] = t[f"{attn}.kv_a_layernorm.weight"]
         out[sa + "linear_kv_up_proj.weight"] = _rows(t[f"{attn}.kv_b_proj.weight"], tp, r)
         out[sa + "linear_proj.weight"] = _cols(t[f"{attn}.o_proj.weight"], tp, r)
         if f"{attn}.q_a_proj.weight" in t:
-            out[sa + "linear_q_down_proj.weight"] = t[f"{attn}.q_a_proj.weight"]
+            out[sa + "linear_q_down_proj.weight"] = down(t[f"{attn}.q_a_proj.weight"])
             out[sa + "linear_q_up_proj.layer_norm_weight"] = t[f"{attn}.q_a_layernorm.weight"]
             out[sa + "linear_q_up_proj.weight"] = _rows(t[f"{attn}.q_b_proj.weight"], tp, r)
         else:

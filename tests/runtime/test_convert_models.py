@@ -181,6 +181,7 @@ TRAINER_LAYOUTS: dict[str, list[Parallel]] = {
     "deepseek_v3": [
         Parallel(),
         Parallel(tp=2, pp=3, ep=2),
+        Parallel(tp=2, pp=3, ep=2, mla_down_split=True),
         Parallel(tp=4, pp=1, ep=4, etp=2, grouped_gemm=True),
     ],
 }
@@ -255,6 +256,23 @@ def test_sglang_ranks_receive_their_layout_and_read_back(model: str, layout: SGL
         read_back += plan.read(params)
     back = assemble(read_back, t.catalogue)
     assert torch.equal(logits_with(t, back), t.logits)
+
+
+@pytest.mark.parametrize(
+    "layout", [SGLangLayout(tp=2), SGLangLayout(tp=4, ep=2)], ids=lambda lay: f"tp{lay.tp}"
+)
+def test_sglang_ranks_receive_tp_split_mla_down_projections(layout: SGLangLayout) -> None:
+    """Down projections split over the trainer's TP arrive whole in SGLang's replicated fused q_a/kv_a."""
+    t = toy("deepseek_v3")
+    par = next(p for p in TRAINER_LAYOUTS["deepseek_v3"] if p.mla_down_split and p.tp > 1)
+    pieces = trainer_pieces(t, par)
+    assert any(s.name.endswith("q_a_proj.weight") and s.box.lengths[0] < s.global_shape[0] for s, _ in pieces)
+    for tp_rank in layout.ranks():
+        plan = inference_plan(t.spec, layout, tp_rank)
+        params = deliver(plan, pieces)
+        expected = sglang_params(t.spec, t.canonical, layout, tp_rank)
+        for name, tensor in expected.items():
+            assert torch.equal(params[name], tensor), f"rank {tp_rank}: {name}"
 
 
 def test_logits_notice_a_misplaced_kv_head() -> None:
