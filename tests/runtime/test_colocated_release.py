@@ -28,8 +28,14 @@ import torch
 
 from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.liveness import Heartbeat, host_id
 from colocate_runtime.colocated.manifest import Ack, decode_manifest, encode_manifest
-from colocate_runtime.colocated.metastore import MetaStoreConflict, NotClaimant
+from colocate_runtime.colocated.metastore import (
+    MetaStoreConflict,
+    NotClaimant,
+    reader_identity,
+    step_claim,
+)
 from colocate_runtime.colocated.outcome import (
     PeerLost,
     StepAborted,
@@ -547,4 +553,30 @@ def test_a_later_ack_of_another_reader_does_not_free_a_step_the_first_still_maps
         gate.set()
         first.close()
         second.close()
+        writer.close()
+
+
+def test_a_parked_step_under_a_malformed_ack_is_freed_once_its_reader_is_gone(
+    cpu_cfg: ColocateConfig,
+) -> None:
+    writer = new_writer(dataclasses.replace(cpu_cfg, step_timeout_s=1.0))
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a reader's process
+    heartbeat = Heartbeat(store, "reader", uuid, 1.0, info=lambda: {"pid": reader.pid}).start()
+    try:
+        pending = writer.publish(1, model.weights(1))
+        store.claim(gen, 1, uuid, step_claim(reader_identity(host_id(), reader.pid, "x"), "p"))
+        store.client.set(store.keys.ack(gen, 1, uuid), b"{garbage")
+        with pytest.raises(StepTimedOut) as err:
+            writer.wait_and_free(pending)  # claimed by a live process that never ACKs properly
+        assert err.value.freed is False and writer.parked_steps == [1]
+        reader.kill()
+        reader.wait()
+        heartbeat.stop()
+        time.sleep(1.2)  # its heartbeat is a whole TTL old
+        writer.exporter.free(writer.publish(2, model.weights(2)).buckets)  # publishing reaps what is safe
+        assert writer.parked_steps == []
+    finally:
+        heartbeat.stop()
+        reader.kill()
         writer.close()
