@@ -211,7 +211,9 @@ def decide(
     # vanish) ends the job, never restarts it. `final_record` is the step follower's own answer, which may be
     # ahead of status (a restarted operator replays the stream; a status write can be backing off).
     final_recorded = (
-        bool((status.get("weightSync") or {}).get("finalStepRecorded")) or observed.final_record is True
+        bool((status.get("weightSync") or {}).get("finalStepRecorded"))
+        or observed.final_record is True
+        or any(pod.final_message for pod in current)
     )
     active = [pod for pod in current if pod.phase not in FINISHED and not pod.deleting]
     if final_recorded and (current or new["groupCreated"]) and not active:

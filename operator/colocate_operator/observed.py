@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from colocate_operator.constants import CLAIM_NAME, LABEL_REPLICA_INDEX, LABEL_RESTART
+from colocate_operator.constants import CLAIM_NAME, CONTAINER_TRAINER, LABEL_REPLICA_INDEX, LABEL_RESTART
+from colocate_runtime.colocated.events import is_final_termination_message
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
@@ -61,6 +62,9 @@ class PodState:
     # it sits on a node that no longer answers.
     delete_by: datetime | None = None
     node: str | None = None
+    # The trainer container ended with the final record as its termination message (events.py): the pod's
+    # own proof that training finished, kept with the pod whatever happened to the meta-store.
+    final_message: bool = False
 
     @classmethod
     def from_body(cls, body: dict[str, Any], job_uid: str) -> PodState:
@@ -94,6 +98,13 @@ class PodState:
             created=_time(meta.get("creationTimestamp")),
             delete_by=_time(meta.get("deletionTimestamp")),
             node=node or None,
+            final_message=any(
+                c.get("name") == CONTAINER_TRAINER
+                and is_final_termination_message(
+                    ((c.get("state") or {}).get("terminated") or {}).get("message")
+                )
+                for c in status.get("containerStatuses") or []
+            ),
         )
 
     def describe(self) -> str:

@@ -108,6 +108,28 @@ class EventError(ValueError):
     """A stream entry that does not decode as a step event."""
 
 
+# The trainer's final record also goes to its container's termination message, which Kubernetes keeps in the
+# pod's status: the operator's authoritative source when the stream lost it (a Redis restart) before any
+# follower read it. The file exists in every Kubernetes container; elsewhere nothing is written.
+TERMINATION_LOG = "/dev/termination-log"
+FINAL_MESSAGE_KEY = "colocateFinal"
+
+
+def final_termination_message(step: int) -> str:
+    return json.dumps({FINAL_MESSAGE_KEY: "ok", "step": step})
+
+
+def is_final_termination_message(text: str | None) -> bool:
+    """True for what `final_termination_message` wrote (anything else in a termination message: False)."""
+    if not text or FINAL_MESSAGE_KEY not in text or len(text) > 4096:
+        return False
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get(FINAL_MESSAGE_KEY) == "ok"
+
+
 def stream_key(namespace: str, job: str) -> str:
     return f"colocate:{namespace}:{job}:events"
 

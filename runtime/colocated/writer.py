@@ -38,7 +38,7 @@ from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated import checksum
 from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.colocated.events import TERMINATION_LOG, StepEvent, final_termination_message
 from colocate_runtime.colocated.inplace import (
     MIN_ADOPT_BYTES,
     InPlaceLayout,
@@ -96,6 +96,7 @@ class WriterSettings:
     checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
     preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
+    termination_log: str | None = None  # `finish` also leaves the final record there if it exists
 
     @staticmethod
     def from_config(cfg: ColocateConfig, *, rank: int = 0, checksum_entries: int = 8) -> WriterSettings:
@@ -109,6 +110,7 @@ class WriterSettings:
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             checksum_entries=checksum_entries if cfg.verify == "SampledChecksum" else 0,
             preflight=PreflightSettings.from_config(cfg),
+            termination_log=TERMINATION_LOG,
         )
 
 
@@ -226,6 +228,13 @@ class WeightWriter:
                 **self._who(),
             )
         )
+        path = self.settings.termination_log
+        if ok and path and os.path.isfile(path):  # Kubernetes provides the file; never created elsewhere
+            try:
+                with open(path, "w") as log_file:
+                    log_file.write(final_termination_message(self.last_step or 0))
+            except OSError as e:
+                log.warning("could not leave the final record in %s: %s", path, e)
 
     def close(self) -> None:
         if self._heartbeat is not None:

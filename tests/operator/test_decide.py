@@ -871,3 +871,12 @@ def test_a_name_taken_while_the_group_runs_is_said_once() -> None:
     assert reasons(plan).count(Reason.NAME_TAKEN) == 1
     again = run(plan.status, observed)
     assert Reason.NAME_TAKEN not in reasons(again)
+
+
+def test_the_trainers_termination_message_is_the_final_record_when_the_stream_lost_it() -> None:
+    """Redis restarted (the stream is gone) and no follower saw the final record: the pod's own
+    termination message still says the training finished."""
+    done = (replace(pod(0, phase="Succeeded"), final_message=True), pod(1, phase="Succeeded"))
+    observed = Observed(pods=done, children=INFRA, metastore_ready=True, final_record=False)
+    plan = run(running_status(), observed)
+    assert plan.status["phase"] == Phase.SUCCEEDED and plan.status["restarts"] == 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from colocate_runtime.colocated.events import StepEvent, stream_key, xadd
+from colocate_runtime.colocated.events import StepEvent, final_termination_message, stream_key, xadd
 from tests.kube import ChartIdentity, wait_for
 from tests.operator import factories
 from tests.operator.conftest import OperatorProcess
@@ -820,3 +820,52 @@ def test_a_finished_training_is_not_restarted_when_the_operator_restarts_as_it_e
     assert condition(status, "Succeeded")["reason"] == "FinalStepRecorded"
     assert "RestartingGroup" not in job_event_reasons(cluster, namespace)
     assert [p["metadata"]["labels"]["colocate.dev/restart"] for p in pods(cluster, namespace)] == ["0", "0"]
+
+
+def test_the_trainers_termination_message_finishes_the_job_without_the_stream(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    """M4, the stream lost (here: Redis never reachable, as after a Redis restart that dropped it): the
+    trainer container's termination message carries the final record, and the job succeeds at once."""
+    apply_job(cluster, namespace)
+    wait_phase(cluster, namespace, "Running")
+    message = final_termination_message(12)
+    for pod in ("demo-0", "demo-1"):
+        done = {"terminated": {"exitCode": 0, "reason": "Completed", "message": message}}
+        patch = {
+            "status": {
+                "phase": "Succeeded",
+                "containerStatuses": [
+                    {
+                        "name": "trainer",
+                        "state": done,
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "t",
+                        "imageID": "",
+                    },
+                    {
+                        "name": "rollout",
+                        "state": done,
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "s",
+                        "imageID": "",
+                    },
+                ],
+            }
+        }
+        cluster.kubectl(
+            "patch",
+            "pod",
+            pod,
+            "-n",
+            namespace,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+        )
+    status = wait_phase(cluster, namespace, "Succeeded", timeout=30)
+    assert status["restarts"] == 0
+    assert not status.get("weightSync", {}).get("finalStepRecorded"), "no follower read it"
