@@ -209,7 +209,8 @@ def decide(
 
     # Once the trainer recorded its final step the training is done: whatever the pods do next (exit 0, fail,
     # vanish) ends the job, never restarts it. `final_record` is the step follower's own answer, which may be
-    # ahead of status (a restarted operator replays the stream; a status write can be backing off).
+    # ahead of status (a restarted operator replays the stream; a status write can be backing off); a
+    # trainer container's termination message holds the record even when the stream lost it.
     final_recorded = (
         bool((status.get("weightSync") or {}).get("finalStepRecorded"))
         or observed.final_record is True
