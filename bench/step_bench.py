@@ -344,6 +344,9 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
 
 
 def commit() -> str:
+    """The commit measured: COLOCATE_BENCH_COMMIT where the checkout has no current .git (the GPU machine)."""
+    if os.environ.get("COLOCATE_BENCH_COMMIT"):
+        return os.environ["COLOCATE_BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
