@@ -24,6 +24,20 @@ LN_LINEAR = "TELayerNormColumnParallelLinear"
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _LAYER = re.compile(r"^(decoder\.layers\.\d+)\.(.*)$")
 
+# A separate norm (local spec) -> the TE linear it is fused into when the TE spec puts IdentityOp there.
+_FUSED_NORMS = {
+    "input_layernorm.weight": ("input_layernorm", "self_attention.linear_qkv"),
+    "pre_mlp_layernorm.weight": ("pre_mlp_layernorm", "mlp.linear_fc1"),
+    "self_attention.q_layernorm.weight": (
+        "self_attention.q_layernorm",
+        "self_attention.linear_q_up_proj",
+    ),
+    "self_attention.kv_layernorm.weight": (
+        "self_attention.kv_layernorm",
+        "self_attention.linear_kv_up_proj",
+    ),
+}
+
 
 def mla_down_split(te: Mapping[str, str]) -> bool:
     """Whether the TE spec's MLA down projections are TP-split (column-parallel) rather than duplicated."""
@@ -60,20 +74,8 @@ def _te_name(name: str, moe_layers: set[str], te: Mapping[str, str]) -> str:
     if (expert := _EXPERT.match(name)) and te["moe.mlp.experts"] == "TEGroupedMLP":
         stem, index, linear = expert.groups()
         return f"{stem}.{linear}.weight{index}"
-    fused = {
-        "input_layernorm.weight": ("input_layernorm", "self_attention.linear_qkv"),
-        "pre_mlp_layernorm.weight": ("pre_mlp_layernorm", "mlp.linear_fc1"),
-        "self_attention.q_layernorm.weight": (
-            "self_attention.q_layernorm",
-            "self_attention.linear_q_up_proj",
-        ),
-        "self_attention.kv_layernorm.weight": (
-            "self_attention.kv_layernorm",
-            "self_attention.linear_kv_up_proj",
-        ),
-    }
-    if rest in fused:
-        norm, linear = fused[rest]
+    if rest in _FUSED_NORMS:
+        norm, linear = _FUSED_NORMS[rest]
         if te.get(f"{kind}.{norm}") == "IdentityOp" and te.get(f"{kind}.{linear}") == LN_LINEAR:
             return f"{at}.{linear}.layer_norm_weight"
     return name
