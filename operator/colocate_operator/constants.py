@@ -130,6 +130,7 @@ class Reason:
     POD_EVICTED: Final = "PodEvicted"
     POD_EXITED_WITHOUT_FINAL_STEP: Final = "PodExitedWithoutFinalStep"
     PLACEMENT_TIMEOUT: Final = "PlacementTimeout"  # a partly placed group released its GPUs
+    META_STORE_PASSWORD_CHANGED: Final = "MetaStorePasswordChanged"  # its Secret was deleted and made anew
     GROUP_RUNNING: Final = "GroupRunning"
     # Failed / Succeeded
     MAX_RESTARTS_EXCEEDED: Final = "MaxRestartsExceeded"

@@ -180,6 +180,13 @@ def decide(
     )
     if not secret_ours:
         creates = [m for m in creates if m["kind"] != "Deployment"]
+    # This job's Redis runs but its Secret is gone: the new Secret carries a new password, which Redis reads
+    # only at start and the pods only at creation. Restart both on it rather than leave them split.
+    lost_secret = (
+        store.mode == "Managed"
+        and f"Deployment/{names.metastore(job.ref.name)}" in observed.children
+        and any(child_key(m) == secret_key for m in creates)
+    )
     if any(m["kind"] == "Deployment" for m in creates):
         p.event(
             "Normal", Reason.CREATED_META_STORE, f"Created Redis meta-store {names.metastore(job.ref.name)}"
@@ -188,8 +195,9 @@ def decide(
     meta_taken = store.mode == "Managed" and any(f.key in _metastore_names(job) for f in observed.foreign)
     meta_ready = _metastore_condition(p, store)
 
+    redis_restart = [PodRef(name, uid) for name, uid in observed.metastore_pods] if lost_secret else []
     if spec.suspend:
-        return _suspend(p, new, phase, creates)
+        return _suspend(p, new, phase, creates, redis_restart)
     start = parse_time(status.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds
     if deadline and start and now >= start + timedelta(seconds=deadline):
@@ -226,6 +234,18 @@ def decide(
         p.condition(Cond.SUCCEEDED, True, Reason.FINAL_STEP_RECORDED, message)
         p.event("Normal", Reason.JOB_SUCCEEDED, "All pods finished after the trainer recorded its final step")
         return _plan(p, new, creates=creates, persist_first=True)
+
+    if lost_secret:
+        message = (
+            f"Secret {names.metastore_secret(job.ref.name)} was deleted: it is created again with a new "
+            "password, and Redis and the pods restart on it"
+        )
+        p.event("Warning", Reason.META_STORE_PASSWORD_CHANGED, message)
+        if current or new["groupCreated"]:
+            return _restart(
+                p, new, Reason.META_STORE_PASSWORD_CHANGED, message, creates, config, redis_restart
+            )
+        return _plan(p, new, creates=creates, deletes=redis_restart, requeue_after=SOON)
 
     exits = [pod for pod in current if pod.phase in FINISHED]
     waiting_for_final = bool(exits) and not final_recorded and observed.final_record_pending
@@ -614,8 +634,10 @@ def _resources_condition(p: _Pass, current: list[PodState]) -> None:
         )
 
 
-def _suspend(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]]) -> Plan:
-    deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting]
+def _suspend(
+    p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]], redis_restart: list[PodRef]
+) -> Plan:
+    deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting] + redis_restart
     # Like a Job's: the active deadline counts from the (re)start, so a suspended job (a Kueue-preempted one,
     # say) does not fail DeadlineExceeded as soon as it resumes. Pod creation on resume sets it again.
     new.pop("startTime", None)
@@ -645,6 +667,7 @@ def _restart(
     message: str,
     creates: list[dict[str, Any]],
     config: OperatorConfig,
+    also_delete: list[PodRef] | None = None,
 ) -> Plan:
     restarts = int(new["restarts"]) + 1
     limit = p.job.spec.run_policy.max_restarts
@@ -661,6 +684,7 @@ def _restart(
     p.condition(Cond.PODS_READY, False, reason, message)
     p.event("Warning", Reason.RESTARTING_GROUP, detail)
     deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting]
+    deletes += also_delete or []
     return _plan(p, new, creates=creates, deletes=deletes, persist_first=True, requeue_after=SOON)
 
 

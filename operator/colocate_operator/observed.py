@@ -173,6 +173,8 @@ class Observed:
     claims: dict[str, ClaimState] = field(default_factory=dict)
     final_record: bool | None = None
     final_record_pending: bool = False
+    # (name, uid) of the Managed Redis pods, listed only when this job's Redis runs but its Secret is gone.
+    metastore_pods: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 from colocate_operator import gpus, kube, kube_events, metrics, names
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import API_VERSION, COMPONENT_WORKER, KIND, Phase
+from colocate_operator.constants import API_VERSION, COMPONENT_METASTORE, COMPONENT_WORKER, KIND, Phase
 from colocate_operator.decide import EventSpec, Plan, decide, status_patch
 from colocate_operator.known import KnownFacts
 from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState, StreamProgress
@@ -234,6 +234,19 @@ class Reconciler:
                 self.known.resolved(uid, key)
         children |= seen
         self.known.saw_children(uid, seen)
+        # This job's Redis runs but its Secret is gone (deleted behind our back): a new Secret means a new
+        # password, so Redis must restart on it too (decide.py); its pods are the only ones read for that.
+        secret_key = f"Secret/{names.metastore_secret(name)}"
+        metastore_pods: tuple[tuple[str, str], ...] = ()
+        if (
+            f"Deployment/{names.metastore(name)}" in children
+            and secret_key not in children
+            and all(f.key != secret_key for f in foreign)
+        ):
+            metastore_pods = tuple(
+                (p["metadata"]["name"], p["metadata"]["uid"])
+                for p in self.api.list(kube.PODS, ns, names.label_selector(name, COMPONENT_METASTORE))
+            )
         device_class_found: bool | None = None
         if gpus.uses_dra(job) and not status.get("groupCreated") and not job.spec.suspend:
             device_class_found = self._device_class_found(job.spec.gpu.device_class_name)
@@ -250,6 +263,7 @@ class Reconciler:
             pods=pods,
             children=frozenset(children),
             foreign=tuple(foreign),
+            metastore_pods=metastore_pods,
             metastore_ready=metastore_ready,
             external_secret_found=external_found,
             device_class_found=device_class_found,

@@ -880,3 +880,23 @@ def test_the_trainers_termination_message_is_the_final_record_when_the_stream_lo
     observed = Observed(pods=done, children=INFRA, metastore_ready=True, final_record=False)
     plan = run(running_status(), observed)
     assert plan.status["phase"] == Phase.SUCCEEDED and plan.status["restarts"] == 0
+
+
+def test_a_deleted_secret_restarts_redis_and_the_pods_on_the_new_password() -> None:
+    """The Secret is made again with a new password; Redis reads it only at start, the pods only at
+    creation: both restart on it, never left split between old and new."""
+    observed = running_observed()
+    observed = replace(
+        observed,
+        children=INFRA - {"Secret/demo-metastore-auth"},
+        metastore_pods=(("demo-metastore-abc-x", "r1"),),
+    )
+    plan = run(running_status(), observed)
+    assert created(plan, "Secret") == ["demo-metastore-auth"]
+    assert plan.persist_first and plan.status["restarts"] == 1
+    assert {d.name for d in plan.deletes} == {"demo-0", "demo-1", "demo-metastore-abc-x"}
+    assert cond(plan, Cond.RESTARTING)["reason"] == Reason.META_STORE_PASSWORD_CHANGED
+    assert Reason.META_STORE_PASSWORD_CHANGED in reasons(plan)
+    # A fresh job (nothing read yet) creates its Secret without restarting anything.
+    fresh = run({}, Observed(device_class_found=True))
+    assert fresh.status["restarts"] == 0 and fresh.deletes == ()

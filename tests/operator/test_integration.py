@@ -869,3 +869,33 @@ def test_the_trainers_termination_message_finishes_the_job_without_the_stream(
     status = wait_phase(cluster, namespace, "Succeeded", timeout=30)
     assert status["restarts"] == 0
     assert not status.get("weightSync", {}).get("finalStepRecorded"), "no follower read it"
+
+
+def test_a_deleted_metastore_secret_restarts_redis_and_the_pods_on_the_new_password(
+    cluster, namespace: str, operator_process: OperatorProcess
+) -> None:
+    apply_job(cluster, namespace, runPolicy={"backoffSeconds": 0})
+    wait_phase(cluster, namespace, "Running")
+    old_secret = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"]
+    redis = "colocate.dev/component=metastore"
+    old_redis = {p["metadata"]["uid"] for p in get(cluster, namespace, "pods", "-l", redis)["items"]}
+    cluster.kubectl("delete", "secret", "demo-metastore-auth", "-n", namespace)
+    running_pods(cluster, namespace, 2, 1)
+    status = wait_phase(cluster, namespace, "Running")
+    assert status["restarts"] == 1
+    assert condition(status, "Restarting")["reason"] == "GroupRunning"
+    assert "MetaStorePasswordChanged" in job_event_reasons(cluster, namespace)
+    assert get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"] != old_secret
+    new_redis = wait_for(
+        lambda: (
+            {
+                p["metadata"]["uid"]
+                for p in get(cluster, namespace, "pods", "-l", redis)["items"]
+                if not p["metadata"].get("deletionTimestamp")
+            }
+            - old_redis
+        ),
+        30,
+        "a new Redis pod (it reads the password at start)",
+    )
+    assert new_redis and not old_redis & new_redis
