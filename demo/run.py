@@ -132,6 +132,9 @@ def main() -> int:
                 "--wait",
                 "--timeout",
                 "120s",
+                # The demo's meta-store is a redis-server on this machine: the one External address allowed.
+                "--set-json",
+                'externalMetaStore.allowedAddresses=["127.0.0.1"]',
             ],
             check=True,
             env=env,
@@ -152,7 +155,7 @@ def main() -> int:
                 f"--metrics-port={metrics_port}",
             ],
             logs / "operator.log",
-            env,
+            {**env, "COLOCATE_EXTERNAL_METASTORE_ALLOW": "127.0.0.1"},  # as the chart above passes it
         )
         print(
             f"operator pid {operator.pid}, log {logs / 'operator.log'}, metrics http://127.0.0.1:{metrics_port}/metrics"
