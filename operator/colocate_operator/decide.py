@@ -10,7 +10,7 @@ the transition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -241,6 +241,12 @@ def decide(
             "password, and Redis and the pods restart on it"
         )
         p.event("Warning", Reason.META_STORE_PASSWORD_CHANGED, message)
+        if (current or new["groupCreated"]) and restarts >= spec.run_policy.max_restarts:
+            limit = spec.run_policy.max_restarts
+            fail = _fail(
+                p, new, Reason.MAX_RESTARTS_EXCEEDED, f"{message}; all {limit} restarts used", creates
+            )
+            return replace(fail, deletes=fail.deletes + tuple(redis_restart))
         if current or new["groupCreated"]:
             return _restart(
                 p, new, Reason.META_STORE_PASSWORD_CHANGED, message, creates, config, redis_restart

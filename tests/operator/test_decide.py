@@ -900,3 +900,14 @@ def test_a_deleted_secret_restarts_redis_and_the_pods_on_the_new_password() -> N
     # A fresh job (nothing read yet) creates its Secret without restarting anything.
     fresh = run({}, Observed(device_class_found=True))
     assert fresh.status["restarts"] == 0 and fresh.deletes == ()
+
+
+def test_a_deleted_secret_with_no_restarts_left_fails_the_job() -> None:
+    observed = replace(
+        running_observed(),
+        children=INFRA - {"Secret/demo-metastore-auth"},
+        metastore_pods=(("demo-metastore-abc-x", "r1"),),
+    )
+    plan = run(running_status(), observed, factories.job(runPolicy={"maxRestarts": 0}))
+    assert plan.status["phase"] == Phase.FAILED and plan.status["restarts"] == 0
+    assert "was deleted" in cond(plan, Cond.FAILED)["message"]
