@@ -37,25 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import runtime_path  # noqa: F401  (maps colocate_runtime onto ./runtime when not installed)
-from colocated_bench import start_redis
+from colocated_bench import env_for, start_redis
+from convert_bench import PRESETS as CONVERT_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "step.jsonl"
 MODES = ("inplace", "separate", "packed")
 
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe",
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    vocab_size=151936,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_experts=128,
-    dtype="bfloat16",
-)
+QWEN3_30B_A3B = CONVERT_PRESETS["qwen3-30b-a3b"]
 QWEN3_8B = dict(
     model_type="qwen3",
     hidden_size=4096,
@@ -232,16 +221,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     tplan, _ = plans(PRESETS[name])
     nbytes = sum(s.box.numel for s in tplan.shards()) * 2
     floor_s = flat_copy_seconds(nbytes, device)  # before either side holds the model: memory for the twin
-    env = {
-        "COLOCATE_JOB_NAME": "bench",
-        "COLOCATE_NAMESPACE": "bench",
-        "COLOCATE_METASTORE_ADDR": f"127.0.0.1:{port}",
-        "COLOCATE_METASTORE_PASSWORD": password,
-        "COLOCATE_TRANSPORT": "CudaIPC" if args.device == "cuda" else "SharedMemory",
-        "COLOCATE_SHM_DIR": str(shm),
-        "COLOCATE_BUCKET_MB": str(args.bucket_mb),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "600",
-    }
+    env = {**env_for(args, port, password, mode, shm), "COLOCATE_STEP_TIMEOUT_SECONDS": "600"}
     _, tensors, _ = megatron_rank(tplan, mode, device)
     reader = subprocess.Popen(
         [

@@ -253,6 +253,11 @@ def test_copy_bits_keeps_nan_payloads() -> None:
     assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
 
 
+def one_bucket_manifest(entries: tuple[PlacedEntry, ...], nbytes: int) -> Manifest:
+    bucket = BucketRecord(0, "bfloat16", nbytes, {"kind": "SharedMemory"})
+    return Manifest("j", "ns", 1, 1, "GPU-x", "1", "SharedMemory", Producer(0, 0, 1, "h"), (bucket,), entries)
+
+
 def view_entry(view: tuple, offset: int = 0) -> PlacedEntry:
     return PlacedEntry("w", "bfloat16", (4, 8), 0, offset, 64, None, view)
 
@@ -274,19 +279,7 @@ def test_manifest_carries_views_and_refuses_ones_that_leave_their_storage() -> N
             check_plan(BucketPlan(plan.buckets, (bad,)))
 
     def manifest(entry: PlacedEntry) -> bytes:
-        m = Manifest(
-            "j",
-            "ns",
-            1,
-            1,
-            "GPU-x",
-            "1",
-            "SharedMemory",
-            Producer(0, 0, 1, "h"),
-            (BucketRecord(0, "bfloat16", 80, {"kind": "SharedMemory"}),),
-            (entry,),
-        )
-        return encode_manifest(m)
+        return encode_manifest(one_bucket_manifest((entry,), 80))
 
     assert decode_manifest(manifest(good)).entries[0].view == ((2, 2, 8), (24, 8, 1))
     with pytest.raises(ManifestError, match="leaves bucket"):
@@ -351,18 +344,7 @@ def test_a_large_layout_is_stored_once_and_named_by_every_manifest(cfg) -> None:
 
 def test_a_layout_that_does_not_hash_to_its_name_is_refused() -> None:
     entries = tuple(PlacedEntry(f"w{i}", "bfloat16", (4,), 0, 512 * i, 8) for i in range(4000))
-    m = Manifest(
-        "j",
-        "ns",
-        1,
-        1,
-        "GPU-x",
-        "1",
-        "SharedMemory",
-        Producer(0, 0, 1, "h"),
-        (BucketRecord(0, "bfloat16", 512 * 4000, {"kind": "SharedMemory"}),),
-        entries,
-    )
+    m = one_bucket_manifest(entries, 512 * 4000)
     encoder = LayoutEncoder()
     blob = encode_manifest(m, encoder, by_reference=True)
     packed = encoder.entries_bytes(entries)
