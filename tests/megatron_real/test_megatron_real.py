@@ -27,18 +27,23 @@ import safetensors.torch
 import torch
 import transformers
 
+from colocate_runtime.bits import bits
+from colocate_runtime.colocated.gather import compile_gather
+from colocate_runtime.colocated.inplace import InPlaceLayout
 from colocate_runtime.convert import (
     MegatronLayout,
     MegatronRank,
     MissingTensorError,
+    SGLangLayout,
     ShapeMismatchError,
     canonical_tensors,
+    inference_plan,
     model_spec,
     trainer_plan,
 )
 from tests.megatron_real.cases import CASES, DIVISOR, RELEASES, VOCAB, WORLD_SIZE, Case
 from tests.megatron_real.te_names import mla_down_split, to_te_names
-from tests.runtime.canonical_pieces import assemble
+from tests.runtime.canonical_pieces import assemble, deliver_local, flat_bytes, sglang_arena
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
@@ -206,3 +211,33 @@ def test_legacy_grouped_mlp_refused_naming_what_the_rank_holds(release_dumps: Pa
     shown = re.escape(f"{held} {tuple(state[held].shape)}")
     with pytest.raises(MissingTensorError, match=f"holds instead: .*{shown}"):
         plan.convert(state)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ddp_buffers_are_read_in_place_into_sglangs_parameters_bit_for_bit(
+    release_dumps: Path, case: Case
+) -> None:
+    """Megatron-core's own DDP (distributed optimizer) keeps each rank's parameters as views of contiguous
+    buffers. The one-pass update publishes those storages as they are, packing nothing, and the reader's
+    gather program writes SGLang's fused parameters (SGLang TP 2, rank r on trainer rank r's GPU) equal, bit
+    for bit, to the converter's reference output cut to what that GPU holds."""
+    spec = model_spec(case.hf)
+    for r, record in enumerate(load(release_dumps, case)):
+        state = record["ddp_state"]
+        plan = trainer_plan(spec, layout(case), MegatronRank(**record["coords"]))
+        storages = {t.untyped_storage().data_ptr() for t in state.values()}
+        in_place = InPlaceLayout.compile(
+            plan.bind(state), adoptable=lambda t: True, bucket_bytes=1 << 20, min_adopt_bytes=0
+        )
+        assert not in_place.packed and all(e.view is not None for e in in_place.entries)
+        assert record["ddp_buffers"] >= 1 and len(in_place.adopted) <= len(storages)
+        iplan = inference_plan(spec, SGLangLayout(tp=WORLD_SIZE), r)
+        reference = deliver_local(iplan, plan.convert(record["state"]))
+        _, fused = sglang_arena(iplan)
+        read = iplan.read(fused)
+        targets = {s.name: v for s, v in read if s.name in reference}
+        program = compile_gather(in_place.entries, targets, {s.name: s for s, _ in read}, None)
+        memory = [flat_bytes(base) for base in in_place.adopted]
+        program.copy_slow(memory.__getitem__)
+        for name, (where, want) in reference.items():
+            assert torch.equal(bits(targets[name][where]), bits(want)), f"{case.name} rank {r}: {name}"

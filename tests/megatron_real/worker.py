@@ -183,6 +183,20 @@ def build(case: Case, **overrides: Any) -> tuple[torch.nn.Module, dict[str, int]
     return model.eval(), coords
 
 
+def ddp_layout(model: torch.nn.Module) -> dict[str, Any]:
+    """The rank's parameters as Megatron-core's DDP keeps them with the distributed optimizer: views of its
+    contiguous per-dtype buffers (`param_data`). Saved without copies, so torch.save keeps the views sharing
+    their buffer (the one-pass update reads that storage in place)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model
+    )
+    buffers = [b.param_data for b in (*ddp.buffers, *ddp.expert_parallel_buffers) if b.param_data is not None]
+    state = {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return {"ddp_state": state, "ddp_buffers": len(buffers)}
+
+
 def legacy_grouped_state(case: Case) -> dict[str, torch.Tensor]:
     """The rank's state dict with `moe_grouped_gemm` on the local spec: Megatron's legacy GroupedMLP (all
     local experts in `experts.weight1`/`weight2`), a layout the converters refuse. Only built, never run, so
@@ -214,6 +228,7 @@ def run_case(case: Case, out: Path) -> None:
         logits = gather_from_tensor_model_parallel_region(model(ids, positions, mask))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     record = {"state": state, "coords": coords, "ids": ids, "logits": logits, "te_spec": te_spec(case)}
+    record.update(ddp_layout(model))
     ps.destroy_model_parallel()
     if case.legacy_grouped:
         record["legacy_state"] = legacy_grouped_state(case)

@@ -4,6 +4,7 @@ builder does)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
@@ -85,3 +86,39 @@ def deliver(plan: InferenceRankPlan, pieces: Pieces) -> dict[str, torch.Tensor]:
             covered[index(common.relative_to(target.box))] = True
         assert bool(covered.all()), f"{target.name}: {target.box} not fully fed by the trainer pieces"
     return params
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of a tensor's storage (a CPU stand-in for reading memory by address)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def sglang_arena(plan: InferenceRankPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SGLang's parameters (fused qkv_proj, gate_up_proj, w13/w2, padded vocabulary) in one arena, so that a
+    destination address is an offset in it."""
+    shapes = plan.param_shapes()
+    arena = torch.zeros(sum(math.prod(s) for s in shapes.values()), dtype=torch_dtype(plan.spec.dtype))
+    params, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        params[name] = arena[at : at + n].view(shape)
+        at += n
+    return arena, params
+
+
+def deliver_local(
+    iplan: InferenceRankPlan, pieces: Pieces
+) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
+    """Reference: the part of each SGLang target that this trainer rank holds (where in the target, data),
+    cut from the converted pieces."""
+    out = {}
+    by_name = {s.name: (s, d) for s, d in pieces}
+    for target in iplan.shards():
+        if target.name not in by_name:
+            continue
+        source, data = by_name[target.name]
+        common = target.box.intersect(source.box)
+        if common is not None:
+            where = common.relative_to(target.box).slices()
+            out[target.name] = (where, data[common.relative_to(source.box).slices()])
+    return out

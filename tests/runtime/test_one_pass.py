@@ -45,13 +45,8 @@ from colocate_runtime.convert import (
     model_spec,
     trainer_plan,
 )
-from tests.runtime.canonical_pieces import deliver
+from tests.runtime.canonical_pieces import deliver, deliver_local, flat_bytes, sglang_arena
 from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Every byte of a tensor's storage (a CPU stand-in for reading memory by address)."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
 
 
 def gathered(r: strided.Runs, memory: torch.Tensor) -> torch.Tensor:
@@ -142,19 +137,6 @@ def megatron_buffer(plan, generator: torch.Generator) -> tuple[torch.Tensor, dic
     return buffer, tensors
 
 
-def sglang_arena(plan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SGLang's parameters (fused qkv_proj, gate_up_proj, w13/w2, padded vocabulary) in one arena, so that a
-    destination address is an offset in it."""
-    shapes = plan.param_shapes()
-    arena = torch.zeros(sum(math.prod(s) for s in shapes.values()), dtype=torch.bfloat16)
-    params, at = {}, 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        params[name] = arena[at : at + n].view(shape)
-        at += n
-    return arena, params
-
-
 def as_bits(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.view(torch.int16) for n, t in params.items()}
 
@@ -200,22 +182,6 @@ def test_gather_from_trainer_storage_equals_the_reference_conversion_bit_for_bit
             program.copy_slow(lambda index: flat_bytes(buffer))
         for name, (where, want) in reference.items():
             assert torch.equal(targets[name][where].view(torch.int16), want.view(torch.int16)), name
-
-
-def deliver_local(iplan, pieces) -> dict[str, tuple[tuple[slice, ...], torch.Tensor]]:
-    """Reference: the part of each SGLang target that this trainer rank holds (where in the target, data),
-    cut from the converted pieces."""
-    out = {}
-    by_name = {s.name: (s, d) for s, d in pieces}
-    for target in iplan.shards():
-        if target.name not in by_name:
-            continue
-        source, data = by_name[target.name]
-        common = target.box.intersect(source.box)
-        if common is not None:
-            where = common.relative_to(target.box).slices()
-            out[target.name] = (where, data[common.relative_to(source.box).slices()])
-    return out
 
 
 def test_the_reference_conversion_keeps_nan_payloads() -> None:
