@@ -13,7 +13,10 @@ worth a handle of their own (a plain parameter per allocation: thousands of hand
 Each step exports a fresh alias of each adopted storage (a DLPack view: its own storage object), so torch's
 IPC reference counting wraps the alias, never the trainer's parameter, and nothing accumulates on the
 parameter from step to step. The trainer must not write those parameters until the step's ACK: the
-optimizer step comes after `update` returns (the protocol already holds the trainer there).
+optimizer step comes after `wait_and_free` returns (the protocol already holds the trainer there). A step
+that failed while its reader may still be copying (a timeout, parked) can see the trainer's next writes:
+such a step is never installed (SGLang keeps its weight version and stays paused; see sglang/rollout.py) and
+the next step rewrites every byte.
 """
 
 from __future__ import annotations
