@@ -40,6 +40,10 @@ MIN_ADOPT_BYTES = 256 << 20
 MAX_ADOPTED = 16  # handles per step; Megatron has one or two buffers per dtype and expert group
 
 
+class LayoutMoved(ValueError):
+    """The trainer's parameters are no longer where the in-place layout reads them."""
+
+
 class SourcePiece(Protocol):
     """One canonical piece of the rank (convert's `BoundPiece`)."""
 
@@ -60,6 +64,9 @@ class InPlaceLayout:
     entries: tuple[PlacedEntry, ...]
     packed: tuple[tuple[PlacedEntry, SourcePiece], ...]  # entries whose data is copied every step
     sources: dict[str, SourcePiece]
+    # Per adopted storage, the first and last piece read from it and where their data began at compile time:
+    # a parameter moved since (offload and reload, a new DDP buffer) must not publish the old storage.
+    anchors: tuple[tuple[SourcePiece, int], ...] = ()
 
     @property
     def payload_bytes(self) -> int:
@@ -75,6 +82,14 @@ class InPlaceLayout:
 
     def stage(self, exporter: BucketExporter, tag: str) -> list[LocalBucket]:
         """This step's buckets: a fresh alias of each adopted storage, then the packed ones, filled."""
+        for piece, ptr in self.anchors:
+            view = piece.view()
+            if view is None or view.data_ptr() != ptr:
+                raise LayoutMoved(
+                    f"{piece.shard.name} no longer lies where the in-place layout was compiled (the "
+                    "trainer's parameters moved, e.g. offloaded and reloaded): compile it again "
+                    "(in_place_layout)"
+                )
         buckets = [LocalBucket(i, torch.from_dlpack(base)) for i, base in enumerate(self.adopted)]
         first = len(self.adopted)
         buckets += [exporter.allocate(s.index, s.nbytes, tag) for s in self.specs[first:]]
@@ -115,6 +130,7 @@ class InPlaceLayout:
         rest += [p for g in ranked for p, _ in g if id(p) not in taken]
 
         adopted, specs, entries = [], [], []
+        anchors = [(p, v.data_ptr()) for g in chosen for p, v in (g[0], g[-1])]
         for index, group in enumerate(chosen):
             storage = group[0][1].untyped_storage()
             base = torch.empty(0, dtype=torch.uint8, device=group[0][1].device).set_(storage)
@@ -137,7 +153,9 @@ class InPlaceLayout:
             entries.append(moved)
             packed.append((moved, by_name[e.name]))
         sources = {p.shard.name: p for p in pieces}
-        return InPlaceLayout(tuple(adopted), tuple(specs), tuple(entries), tuple(packed), sources)
+        return InPlaceLayout(
+            tuple(adopted), tuple(specs), tuple(entries), tuple(packed), sources, tuple(anchors)
+        )
 
 
 def adoptable_by(exporter: BucketExporter) -> Callable[[torch.Tensor], bool]:

@@ -113,7 +113,7 @@ class TrainerRankPlan:
                         raise ShapeMismatchError(
                             name, param.shape, tuple(tensor.shape), f"{where} of {self.layout}"
                         )
-                    chosen.append((tensor.detach(), param))
+                    chosen.append((tensor, param))  # not detached: a moved parameter stays visible (bind)
                     used.add(name)
                     break
             else:
@@ -140,7 +140,7 @@ class BoundPiece:
 
     def data(self) -> torch.Tensor:
         """The piece's data (a view where the layout allows, else a copy), in the canonical dtype."""
-        data = self.piece.extract(self.tensor)
+        data = self.piece.extract(self.tensor.detach())
         dtype = TORCH_DTYPES[self.piece.shard.dtype]
         return data if data.dtype == dtype else data.to(dtype)
 
@@ -149,10 +149,11 @@ class BoundPiece:
         cannot be read in place (a dtype cast, or a layout only a copy produces)."""
         if self.tensor.dtype != TORCH_DTYPES[self.piece.shard.dtype]:
             return None
+        tensor = self.tensor.detach()  # of the parameter as it is now (bound: the object, not a copy)
         if self.piece.view is not None:
-            return self.piece.view(self.tensor)
-        data = self.piece.extract(self.tensor)
-        same = data.untyped_storage().data_ptr() == self.tensor.untyped_storage().data_ptr()
+            return self.piece.view(tensor)
+        data = self.piece.extract(tensor)
+        same = data.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
         return data if same else None
 
 

@@ -24,7 +24,7 @@ from colocate_runtime.colocated.buckets import (
     check_plan,
 )
 from colocate_runtime.colocated.gather import compile_gather
-from colocate_runtime.colocated.inplace import InPlaceLayout
+from colocate_runtime.colocated.inplace import InPlaceLayout, LayoutMoved
 from colocate_runtime.colocated.manifest import (
     LAYOUT_BY_REFERENCE_BYTES,
     BucketRecord,
@@ -319,3 +319,24 @@ def test_a_layout_that_does_not_hash_to_its_name_is_refused() -> None:
         decode_manifest(blob, layouts=lambda ref: packed[:-1] + b"\x00")
     with pytest.raises(ManifestError, match="does not hold"):
         decode_manifest(blob, layouts=lambda ref: None)
+
+
+def test_parameters_moved_since_the_layout_was_compiled_are_refused_not_published_stale(tmp_path) -> None:
+    """Offloading and reloading the trainer's parameters gives them new storage: the compiled layout would
+    publish the old one. Bound to the parameters themselves (state_dict(keep_vars=True)), the move is seen."""
+    spec = model_spec(SPEC)
+    tplan = trainer_plan(spec, MegatronLayout(), MegatronRank())
+    _, tensors = megatron_buffer(tplan, torch.Generator().manual_seed(9))
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in tensors.items()}
+    layout = InPlaceLayout.compile(
+        tplan.bind(params), adoptable=lambda t: True, bucket_bytes=1 << 20, min_adopt_bytes=0
+    )
+    exporter = SharedMemoryExporter(tmp_path, "GPU-test")
+    exporter.free(layout.stage(exporter, "g1-s1"))  # in place: fine
+    moved = torch.cat([p.data.reshape(-1) for p in params.values()]).clone()  # reloaded elsewhere
+    at = 0
+    for p in params.values():
+        p.data = moved[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    with pytest.raises(LayoutMoved, match="compile it again"):
+        layout.stage(exporter, "g1-s2")
