@@ -12,6 +12,7 @@ setup:
 lint: setup
 	@.venv/bin/ruff check .
 	@.venv/bin/ruff format --check .
+	@.venv/bin/lint-imports --no-logo --no-cache
 
 ## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
 test: lint
