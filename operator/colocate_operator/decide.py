@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from colocate_operator import conditions, gpus, metastore, names, pods
+from colocate_operator import conditions, disruption, gpus, metastore, names, pods
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
@@ -163,6 +163,7 @@ def decide(
         gpus.claim_template(job),
         pods.headless_service(job),
         pods.network_policy(job),
+        disruption.budget(job),
     ]
     creates: list[dict[str, Any]] = [
         m

@@ -50,6 +50,7 @@ SERVICES = Kind("v1", "services")
 EVENTS = Kind("v1", "events")
 DEPLOYMENTS = Kind("apps/v1", "deployments")
 NETWORK_POLICIES = Kind("networking.k8s.io/v1", "networkpolicies")
+DISRUPTION_BUDGETS = Kind("policy/v1", "poddisruptionbudgets")
 CLAIM_TEMPLATES = Kind("resource.k8s.io/v1", "resourceclaimtemplates")
 CLAIMS = Kind("resource.k8s.io/v1", "resourceclaims")
 DEVICE_CLASSES = Kind("resource.k8s.io/v1", "deviceclasses", namespaced=False)
@@ -61,6 +62,7 @@ BY_KIND = {
     "Service": SERVICES,
     "Deployment": DEPLOYMENTS,
     "NetworkPolicy": NETWORK_POLICIES,
+    "PodDisruptionBudget": DISRUPTION_BUDGETS,
     "ResourceClaimTemplate": CLAIM_TEMPLATES,
     "Event": EVENTS,
 }

@@ -37,6 +37,11 @@ def worker_network_policy(job: str) -> str:
     return f"{job}-workers"
 
 
+def disruption_budget(job: str) -> str:
+    """The workers' PodDisruptionBudget: another kind than the NetworkPolicy, so the same name is free."""
+    return f"{job}-workers"
+
+
 def claim_template(job: str) -> str:
     return f"{job}-gpus"
 
@@ -59,6 +64,7 @@ def children(job: str, num_nodes: int) -> list[tuple[str, str]]:
         ("Service", metastore(job)),
         ("NetworkPolicy", metastore(job)),
         ("NetworkPolicy", worker_network_policy(job)),
+        ("PodDisruptionBudget", disruption_budget(job)),
         ("Secret", metastore_secret(job)),
         *(("Pod", pod(job, i)) for i in range(num_nodes)),
     ]

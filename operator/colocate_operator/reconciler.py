@@ -170,6 +170,7 @@ class Reconciler:
         wanted = [
             (kube.SERVICES, "Service", names.headless_service(name)),
             (kube.NETWORK_POLICIES, "NetworkPolicy", names.worker_network_policy(name)),
+            (kube.DISRUPTION_BUDGETS, "PodDisruptionBudget", names.disruption_budget(name)),
         ]
         if gpus.uses_dra(job):
             wanted.append((kube.CLAIM_TEMPLATES, "ResourceClaimTemplate", names.claim_template(name)))

@@ -105,6 +105,7 @@ OPERATOR_RULES = {
     ("", "events"): {"create"},
     ("apps", "deployments"): {"get", "list", "watch", "create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create"},
+    ("policy", "poddisruptionbudgets"): {"get", "create"},
     ("resource.k8s.io", "resourceclaimtemplates"): {"get", "create"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
 }

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from colocate_operator import gpus, metastore, names, pods
+from colocate_operator import disruption, gpus, metastore, names, pods
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     CLAIM_NAME,
@@ -345,6 +345,7 @@ def test_every_child_is_owned_by_the_job() -> None:
         gpus.claim_template(job),
         pods.headless_service(job),
         pods.network_policy(job),
+        disruption.budget(job),
         *pods.pods(job, 0, metastore.endpoint(job, CONFIG), CONFIG),
     ]
     for child in children:

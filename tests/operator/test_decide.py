@@ -31,6 +31,7 @@ INFRA = frozenset(
         "ResourceClaimTemplate/demo-gpus",
         "Service/demo",
         "NetworkPolicy/demo-workers",
+        "PodDisruptionBudget/demo-workers",
     }
 )
 
@@ -113,6 +114,7 @@ def test_fresh_job_creates_every_child_and_all_pods() -> None:
         "ResourceClaimTemplate",
         "Service",
         "NetworkPolicy",
+        "PodDisruptionBudget",
         "Pod",
         "Pod",
     ]
@@ -454,7 +456,14 @@ def test_external_metastore_secret_missing() -> None:
             "external": {"address": "redis:6379", "passwordSecretRef": {"name": "redis-auth"}},
         }
     )
-    children = frozenset({"ResourceClaimTemplate/demo-gpus", "Service/demo", "NetworkPolicy/demo-workers"})
+    children = frozenset(
+        {
+            "ResourceClaimTemplate/demo-gpus",
+            "Service/demo",
+            "NetworkPolicy/demo-workers",
+            "PodDisruptionBudget/demo-workers",
+        }
+    )
     observed = Observed(
         pods=running_observed().pods, children=children, external_secret_found=False, claims=claims(0, 1)
     )

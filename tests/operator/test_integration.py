@@ -135,7 +135,7 @@ def test_every_child_is_owned_and_garbage_collected_even_with_the_operator_down(
     apply_job(cluster, namespace)
     wait_phase(cluster, namespace, "Running")
     uid = get(cluster, namespace, "colocatejob", "demo")["metadata"]["uid"]
-    kinds = "pods,services,secrets,deployments,networkpolicies,resourceclaimtemplates"
+    kinds = "pods,services,secrets,deployments,networkpolicies,poddisruptionbudgets,resourceclaimtemplates"
     children = get(cluster, namespace, kinds, "-l", "colocate.dev/job=demo")["items"]
     assert {c["kind"] for c in children} == {
         "Pod",
@@ -143,6 +143,7 @@ def test_every_child_is_owned_and_garbage_collected_even_with_the_operator_down(
         "Secret",
         "Deployment",
         "NetworkPolicy",
+        "PodDisruptionBudget",
         "ResourceClaimTemplate",
     }
     for child in children:

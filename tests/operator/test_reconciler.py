@@ -215,7 +215,8 @@ def test_event_driven_passes_skip_children_already_seen_until_the_resync_interva
     api.calls.clear()
     reconciler.reconcile("ns", "demo")
     kinds = {c[1] for c in api.calls if c[0] == "get"}
-    assert {"services", "secrets", "networkpolicies", "resourceclaimtemplates"} <= kinds
+    children = {"services", "secrets", "networkpolicies", "poddisruptionbudgets", "resourceclaimtemplates"}
+    assert children <= kinds
 
 
 def test_a_child_deleted_behind_the_operators_back_is_recreated_by_the_resync(

@@ -32,8 +32,9 @@ operator under exactly these rules, so a missing verb fails a test):
   finalizers: update, because children set blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
 - pods: list (each pass), list/watch (kopf), get (a pod name held by another object, read back), create,
   delete (group restarts, suspend, a pod stuck on a lost node).
-- services, secrets, networkpolicies, resourceclaimtemplates: get (existence, metadata only except an External
-  password Secret) and create; garbage collection deletes them through their ownerReferences.
+- services, secrets, networkpolicies, poddisruptionbudgets, resourceclaimtemplates: get (existence, metadata
+  only except an External password Secret) and create; garbage collection deletes them through their
+  ownerReferences.
 - deployments (the Redis): get (readiness), list/watch (kopf), create.
 - resourceclaims: get (allocation status). events: create (the operator's and kopf's).
 The step follower reads the password Secret of the jobs' meta-stores: that is the `get` on secrets. */}}
@@ -61,6 +62,9 @@ The step follower reads the password Secret of the jobs' meta-stores: that is th
   verbs: [get, list, watch, create]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
+  verbs: [get, create]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
   verbs: [get, create]
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaimtemplates]
