@@ -1,10 +1,12 @@
 """A node drain against a running gang on the real plane: the job's PodDisruptionBudget refuses the eviction
 (HTTP 429, as `kubectl drain` sees it) while every pod is healthy; a forced drain (pods deleted, not evicted)
 bypasses any budget, and the operator then restarts the whole group on the remaining nodes, spending one
-restart of runPolicy.maxRestarts."""
+restart of runPolicy.maxRestarts. A rank that runs but is not ready may be evicted (and restarts the group).
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,3 +132,23 @@ def test_a_drain_is_refused_by_the_budget_and_a_forced_drain_restarts_the_group(
     budget_holds(cluster, namespace, 2)
     refused = evict(core, namespace, second[0]["metadata"]["name"])
     assert refused is not None and refused.status == 429, refused
+
+    # A rank that runs but is not ready (that gang is broken anyway) may be evicted, so a stuck job never
+    # blocks a drain for good (unhealthyPodEvictionPolicy: AlwaysAllow); its healthy peer is still refused.
+    unready, healthy = (p["metadata"]["name"] for p in second)
+    not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "SGLangStuck"}]}}
+    cluster.kubectl(
+        "patch", "pod", unready, "-n", namespace, "--subresource=status", "-p", json.dumps(not_ready)
+    )
+    wait_for(
+        lambda: (
+            (get(cluster, namespace, "pdb", "demo-workers").get("status") or {}).get("currentHealthy") == 1
+        ),
+        30,
+        "PodDisruptionBudget demo-workers counting 1 healthy pod",
+    )
+    refused = evict(core, namespace, healthy)
+    assert refused is not None and refused.status == 429, refused
+    assert evict(core, namespace, unready) is None, f"the not-ready pod {unready} was not evicted"
+    running_pods(cluster, namespace, 2, 2)
+    assert job_status(cluster, namespace)["restarts"] == 2
