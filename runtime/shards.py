@@ -92,6 +92,27 @@ class Box:
         """The index expression of this box (a tensor indexed with it is the box's view)."""
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True))
 
+    def difference(self, other: Box) -> tuple[Box, ...]:
+        """What of this box lies outside `other`: disjoint, non-empty boxes, at most two per dimension.
+
+        One dimension at a time, the slabs before and after the common part are cut off and the rest narrowed
+        to it, so the pieces never overlap and together with the common part tile this box."""
+        common = self.intersect(other)
+        if common is None:
+            return (self,) if self.numel else ()
+        pieces: list[Box] = []
+        offsets, lengths = list(self.offsets), list(self.lengths)
+        for d, (lo, hi) in enumerate(zip(common.offsets, common.ends, strict=True)):
+            start, end = offsets[d], offsets[d] + lengths[d]
+            if lo > start:
+                pieces.append(Box(tuple(offsets), (*lengths[:d], lo - start, *lengths[d + 1 :])))
+            if hi < end:
+                pieces.append(
+                    Box((*offsets[:d], hi, *offsets[d + 1 :]), (*lengths[:d], end - hi, *lengths[d + 1 :]))
+                )
+            offsets[d], lengths[d] = lo, hi - lo
+        return tuple(pieces)
+
     def contains(self, other: Box) -> bool:
         return all(
             a <= b and b + m <= a + n

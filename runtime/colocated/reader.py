@@ -19,7 +19,6 @@ import gc
 import hashlib
 import hmac
 import logging
-import math
 import os
 import secrets
 import time
@@ -57,8 +56,9 @@ from colocate_runtime.colocated.outcome import (
     StepTimedOut,
 )
 from colocate_runtime.colocated.transport import BucketImporter
-from colocate_runtime.colocated.views import dtype_name, entry_view, torch_dtype
+from colocate_runtime.colocated.views import dtype_name, entry_view
 from colocate_runtime.colocated.waits import Deadline
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 
 if TYPE_CHECKING:
@@ -652,8 +652,8 @@ class WeightReader:
         common = src_box.intersect(dst_box)
         if common is None:
             return
-        src = view[_slices(common.relative_to(src_box))]
-        dst = target[_slices(common.relative_to(dst_box))]
+        src = view[common.relative_to(src_box).slices()]
+        dst = target[common.relative_to(dst_box).slices()]
         if src_box == dst_box:
             plan.direct_dst.append(dst)
             plan.direct_src.append(src)
@@ -669,8 +669,7 @@ class WeightReader:
         if not owned:
             return (box,)
         # One trainer rank owns at most one box per name: what it does not cover is the remainder.
-        common = owned[0].intersect(box)
-        return (box,) if common is None else tuple(_difference(box, common))
+        return box.difference(owned[0])
 
     def _verify(self, manifest: Manifest) -> list[str]:
         wrong = []
@@ -828,28 +827,3 @@ def _automatic_gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
-
-
-def _difference(outer: Box, inner: Box) -> list[Box]:
-    """`outer` minus `inner` (inside it) as disjoint boxes, splitting one dimension at a time."""
-    pieces: list[Box] = []
-    offsets, lengths = list(outer.offsets), list(outer.lengths)
-    for d in range(outer.ndim):
-        lo, hi = inner.offsets[d], inner.offsets[d] + inner.lengths[d]
-        start, end = offsets[d], offsets[d] + lengths[d]
-        if lo > start:
-            pieces.append(Box(tuple(offsets), tuple([*lengths[:d], lo - start, *lengths[d + 1 :]])))
-        if hi < end:
-            pieces.append(
-                Box(
-                    tuple([*offsets[:d], hi, *offsets[d + 1 :]]),
-                    tuple([*lengths[:d], end - hi, *lengths[d + 1 :]]),
-                )
-            )
-        offsets[d], lengths[d] = lo, hi - lo
-    assert sum(p.numel for p in pieces) + inner.numel == outer.numel or math.prod(outer.lengths) == 0
-    return pieces

@@ -5,16 +5,8 @@ from __future__ import annotations
 import torch
 
 from colocate_runtime.colocated.buckets import PlacedEntry
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.shards import DTYPE_BYTES
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {name!r}; known: {sorted(DTYPE_BYTES)}")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"this torch has no dtype {name!r}")
-    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -22,7 +22,8 @@ from colocate_runtime.convert.layout import MegatronLayout, MegatronRank
 from colocate_runtime.convert.params import MegatronParam, Piece
 from colocate_runtime.convert.registry import stage_blocks
 from colocate_runtime.convert.spec import ModelSpec
-from colocate_runtime.shards import DTYPE_BYTES, RankShards, TensorShard
+from colocate_runtime.dtypes import torch_dtype
+from colocate_runtime.shards import RankShards, TensorShard
 
 ConvertedPiece = tuple[TensorShard, torch.Tensor]
 
@@ -92,7 +93,7 @@ class TrainerRankPlan:
         for tensor, param in self._choose(plan, tensors):
             for piece in param.pieces:
                 data = piece.extract(tensor)
-                dtype = TORCH_DTYPES[piece.shard.dtype]
+                dtype = torch_dtype(piece.shard.dtype)
                 out.append((piece.shard, data if data.dtype == dtype else data.to(dtype)))
         return out
 
@@ -141,13 +142,13 @@ class BoundPiece:
     def data(self) -> torch.Tensor:
         """The piece's data (a view where the layout allows, else a copy), in the canonical dtype."""
         data = self.piece.extract(self.tensor.detach())
-        dtype = TORCH_DTYPES[self.piece.shard.dtype]
+        dtype = torch_dtype(self.piece.shard.dtype)
         return data if data.dtype == dtype else data.to(dtype)
 
     def view(self) -> torch.Tensor | None:
         """A view of the local tensor whose row-major order is the piece's data, or None where the data
         cannot be read in place (a dtype cast, or a layout only a copy produces)."""
-        if self.tensor.dtype != TORCH_DTYPES[self.piece.shard.dtype]:
+        if self.tensor.dtype != torch_dtype(self.piece.shard.dtype):
             return None
         tensor = self.tensor.detach()  # of the parameter as it is now (bound: the object, not a copy)
         if self.piece.view is not None:
@@ -162,9 +163,6 @@ def strip_wrappers(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module.") :]
     return name
-
-
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
 def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) -> TrainerRankPlan:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.p2p.chunks import Message, PeerBatch, RankSchedule, is_dense_in
 from colocate_runtime.p2p.layout import Layout
-from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.shards import Box, ShardError
 
 SOURCE, TARGET = "source", "target"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Spec, resolve
 from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, plan_chunks, rank_schedule, shard_shapes
 from colocate_runtime.p2p.config import ExecutorConfig
@@ -37,7 +38,6 @@ from colocate_runtime.p2p.plan import (
     first_difference,
 )
 from colocate_runtime.p2p.program import Program, Step, buffer, copy_all, local_copies, region
-from colocate_runtime.p2p.staging import torch_dtype
 from colocate_runtime.p2p.waiting import Deadlines
 from colocate_runtime.shards import ShardError
 

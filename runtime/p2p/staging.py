@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from colocate_runtime.shards import Box, ShardError
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ShardError(f"unknown dtype {name!r}")
-    return dtype
+from colocate_runtime.shards import Box
 
 
 def box_view(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     """The view of a local shard that `box` (in the shard's own coordinates) selects."""
-    return tensor[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+    return tensor[box.slices()]
 
 
 def typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
