@@ -29,11 +29,15 @@ COMPONENT_METASTORE: Final = "metastore"
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 KUEUE_POD_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
 KUEUE_POD_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
+# Kueue topology-aware scheduling: all pods of the pod set in one domain of this level (or preferably so).
+KUEUE_REQUIRED_TOPOLOGY_ANNOTATION: Final = "kueue.x-k8s.io/podset-required-topology"
+KUEUE_PREFERRED_TOPOLOGY_ANNOTATION: Final = "kueue.x-k8s.io/podset-preferred-topology"
 
 # The pod.
 CONTAINER_TRAINER: Final = "trainer"
 CONTAINER_ROLLOUT: Final = "rollout"
 CLAIM_NAME: Final = "gpus"  # the pod-level claim both containers reference
+COMPUTE_DOMAIN_CLAIM_NAME: Final = "compute-domain"  # the ComputeDomain channel's claim, in both too
 SHM_VOLUME: Final = "dshm"
 SHM_MOUNT_PATH: Final = "/dev/shm"
 SOCKET_VOLUME: Final = "colocate-sockets"

@@ -203,6 +203,7 @@ def pod(
         extra_labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
         extra_labels[KUEUE_POD_GROUP_LABEL] = job.ref.name
         annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(spec.num_nodes)
+    annotations.update(gpus.topology_annotations(job))
     pod_spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": names.headless_service(job.ref.name),

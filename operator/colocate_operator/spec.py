@@ -19,11 +19,18 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
 
+class ComputeDomainRef(_Model):
+    """A ComputeDomain's channel (NVIDIA's DRA driver): the ResourceClaimTemplate its controller made."""
+
+    resource_claim_template_name: str
+
+
 class GpuSpec(_Model):
     allocation: Literal["DRA", "DevicePlugin"] = "DRA"
     device_class_name: str = "gpu.nvidia.com"
     selectors: tuple[str, ...] = ()
     resource_name: str = "nvidia.com/gpu"
+    compute_domain: ComputeDomainRef | None = None
 
 
 class ModelSpec(_Model):
@@ -119,8 +126,17 @@ class RunPolicy(_Model):
     ttl_seconds_after_finished: int | None = None
 
 
+class TopologySpec(_Model):
+    """Kueue topology-aware scheduling: a node label key naming a level (rack, block, NVLink clique).
+    At most one is set (a CRD rule)."""
+
+    required: str | None = None
+    preferred: str | None = None
+
+
 class SchedulingSpec(_Model):
     queue_name: str | None = None
+    topology: TopologySpec = TopologySpec()
     priority_class_name: str | None = None
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: tuple[dict[str, Any], ...] = ()
