@@ -108,7 +108,12 @@ def colocate_operator(
         ],
         f"http://127.0.0.1:{port}/healthz",
         log_path,
-        {"KUBECONFIG": str(kubeconfig), **({"PYTHONPATH": pythonpath} if pythonpath else {})},
+        {
+            "KUBECONFIG": str(kubeconfig),
+            # The jobs' External meta-store is the testbed's redis-server on this machine.
+            "COLOCATE_EXTERNAL_METASTORE_ALLOW": "127.0.0.1",
+            **({"PYTHONPATH": pythonpath} if pythonpath else {}),
+        },
     )
 
 
