@@ -115,7 +115,7 @@ class LayoutEncoder:
 
 def encode_manifest(m: Manifest, layout: LayoutEncoder | None = None, *, by_reference: bool = False) -> bytes:
     """`by_reference`: name the layout (`layout.ref`) instead of embedding it; the writer stores its bytes
-    under that name (`MetaStore.keep_layout`)."""
+    under that name (`MetaStore.publish_manifest(..., layout=)`)."""
     doc = _manifest_doc(m)
     if layout is None:
         doc["entries"] = _entry_columns(m.entries)

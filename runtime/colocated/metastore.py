@@ -31,6 +31,7 @@ R = TypeVar("R")
 # SET value NX and, only if it was set, push a notification; 1 = written, 2 = the same value was already
 # there (an idempotent retry), 0 = a different value is there.
 _SET_NX_NOTIFY = """
+if #KEYS == 3 and redis.call('PEXPIRE', KEYS[3], ARGV[2]) == 0 then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('RPUSH', KEYS[2], ARGV[3])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -318,12 +319,20 @@ class MetaStore:
     # --- one step -----------------------------------------------------------------------------------------
 
     @_translated
-    def publish_manifest(self, gen: int, step: int, uuid: str, blob: bytes) -> bool:
-        """Write the manifest (NX) and push the step onto the GPU's ready list. False: an identical retry."""
-        result = self._set_nx_notify(
-            keys=[self.keys.manifest(gen, step, uuid), self.keys.ready(gen, uuid)],
-            args=[blob, self.key_ttl_ms, str(step)],
-        )
+    def publish_manifest(
+        self, gen: int, step: int, uuid: str, blob: bytes, *, layout: tuple[str, bytes] | None = None
+    ) -> bool:
+        """Write the manifest (NX) and push the step onto the GPU's ready list. False: an identical retry.
+        `layout` (reference, packed entries): the layout the manifest names, kept alive in the same round
+        trip; written first when the store does not hold it (a new layout, or expired)."""
+        keys = [self.keys.manifest(gen, step, uuid), self.keys.ready(gen, uuid)]
+        if layout is not None:
+            keys.append(self.keys.layout(gen, uuid, layout[0]))
+        args = [blob, self.key_ttl_ms, str(step)]
+        result = self._set_nx_notify(keys=keys, args=args)
+        if int(result) == -1 and layout is not None:
+            self.client.set(keys[2], layout[1], px=self.key_ttl_ms)
+            result = self._set_nx_notify(keys=keys, args=args)
         if int(result) == 0:
             raise MetaStoreConflict(
                 f"step {step} of generation {gen} on {uuid} already has a different manifest"
@@ -335,14 +344,6 @@ class MetaStore:
         """Block at most `timeout_s` for the next published step on this GPU."""
         got = self.client.blpop([self.keys.ready(gen, uuid)], timeout=max(timeout_s, 0.01))
         return None if got is None else int(got[1])
-
-    @_translated
-    def keep_layout(self, gen: int, uuid: str, ref: str, blob: bytes) -> None:
-        """Make a layout readable for the next `key_ttl` (written only when it is not there: one round trip a
-        step for a layout of megabytes)."""
-        key = self.keys.layout(gen, uuid, ref)
-        if not self.client.pexpire(key, self.key_ttl_ms):
-            self.client.set(key, blob, px=self.key_ttl_ms)
 
     @_translated
     def read_layout(self, gen: int, uuid: str, ref: str) -> bytes | None:

@@ -357,10 +357,9 @@ class WeightWriter:
             # A large layout is stored once under its hash and named by the manifest (not 5 MB a step).
             packed = self._layout.entries_bytes(staged.entries)
             by_reference = len(packed) >= LAYOUT_BY_REFERENCE_BYTES
-            if by_reference:
-                self.store.keep_layout(gen, self.uuid, self._layout.ref, packed)
             blob = encode_manifest(manifest, self._layout, by_reference=by_reference)
-            self.store.publish_manifest(gen, step, self.uuid, blob)
+            layout = (self._layout.ref, packed) if by_reference else None
+            self.store.publish_manifest(gen, step, self.uuid, blob, layout=layout)
         except BaseException:
             # Nothing was announced (or the announcement failed): no reader can hold these buckets.
             self.exporter.release(buckets)
