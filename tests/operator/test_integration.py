@@ -81,6 +81,11 @@ def running_pods(cluster, namespace: str, count: int, restart: int) -> list[dict
 
 def fail_pod(cluster, namespace: str, pod: str) -> None:
     patch = {"status": {"phase": "Failed", "reason": "Error", "message": "trainer exited with code 1"}}
+    patch_pod_status(cluster, namespace, pod, patch)
+
+
+def patch_pod_status(cluster, namespace: str, pod: str, patch: dict[str, Any]) -> None:
+    """What a kubelet would report (kwok runs no containers)."""
     cluster.kubectl(
         "patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(patch)
     )
@@ -788,17 +793,7 @@ def test_a_finished_training_is_not_restarted_when_the_operator_restarts_as_it_e
     xadd(redis_server.client(), stream_key(namespace, "demo"), final)
     for pod in ("demo-0", "demo-1"):
         patch = {"status": {"phase": "Succeeded", "reason": "Completed"}}
-        cluster.kubectl(
-            "patch",
-            "pod",
-            pod,
-            "-n",
-            namespace,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        patch_pod_status(cluster, namespace, pod, patch)
     assert not job_status(cluster, namespace).get("weightSync", {}).get("finalStepRecorded")
 
     # The meta-store answers slowly (paused): the restarted operator's first passes certainly come before its
@@ -856,17 +851,7 @@ def test_the_trainers_termination_message_finishes_the_job_without_the_stream(
                 ],
             }
         }
-        cluster.kubectl(
-            "patch",
-            "pod",
-            pod,
-            "-n",
-            namespace,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        patch_pod_status(cluster, namespace, pod, patch)
     status = wait_phase(cluster, namespace, "Succeeded", timeout=30)
     assert status["restarts"] == 0
     assert not status.get("weightSync", {}).get("finalStepRecorded"), "no follower read it"
