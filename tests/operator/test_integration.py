@@ -598,6 +598,14 @@ def test_a_pod_holding_a_pods_name_is_a_condition_not_a_create_loop(
     assert get(cluster, namespace, "pod", "demo-1")["metadata"].get("ownerReferences") is None
 
 
+def hold_secret(cluster, namespace: str, finalizers: list[str] | None) -> None:
+    """Keep the job's meta-store Secret from being deleted (a finalizer), or let it go (None)."""
+    patch = {"metadata": {"finalizers": finalizers}}
+    cluster.kubectl(
+        "patch", "secret", "demo-metastore-auth", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
+    )
+
+
 def test_a_job_recreated_while_its_predecessors_secret_is_collected_waits_for_its_own(
     cluster, namespace: str, operator_process: OperatorProcess
 ) -> None:
@@ -605,16 +613,7 @@ def test_a_job_recreated_while_its_predecessors_secret_is_collected_waits_for_it
     nor the pods may start on it; once it is gone, the job's own Secret comes first, then Redis and pods."""
     apply_job(cluster, namespace)
     wait_phase(cluster, namespace, "Running")
-    cluster.kubectl(
-        "patch",
-        "secret",
-        "demo-metastore-auth",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"metadata": {"finalizers": ["example.com/hold"]}}',
-    )
+    hold_secret(cluster, namespace, ["example.com/hold"])
     old_secret = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"]
     cluster.kubectl("delete", "colocatejob", "demo", "-n", namespace, "--wait=true", "--timeout=30s")
 
@@ -633,16 +632,7 @@ def test_a_job_recreated_while_its_predecessors_secret_is_collected_waits_for_it
     assert get(cluster, namespace, "deployments")["items"] == [], "no Redis on the old password"
     assert pods(cluster, namespace) == [], "no pods on the old password"
 
-    cluster.kubectl(
-        "patch",
-        "secret",
-        "demo-metastore-auth",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"metadata": {"finalizers": null}}',
-    )
+    hold_secret(cluster, namespace, None)
     wait_phase(cluster, namespace, "Running")
     uid = get(cluster, namespace, "colocatejob", "demo")["metadata"]["uid"]
     secret = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]
