@@ -45,12 +45,17 @@ VIOLATIONS = [
     (
         "colocate_operator/steps.py",
         "from colocate_runtime.colocated import buckets",
-        "The operator imports from the runtime only the step-event contract",
+        "The operator imports from the runtime only the contract package",
     ),
     (
-        "colocate_runtime/colocated/events.py",
+        "colocate_runtime/contract/events.py",
         "import torch",
-        "The step-event contract is torch-free, redis-free and imports no other runtime module",
+        "The contract is torch-free, redis-free and imports no other runtime module",
+    ),
+    (
+        "colocate_runtime/contract/env.py",
+        "from colocate_runtime.colocated import config",
+        "The contract is torch-free, redis-free and imports no other runtime module",
     ),
     (
         "colocate_runtime/p2p/layout.py",

@@ -2,18 +2,20 @@
 
 Layers, each importing only from those above it in this list (`make lint` checks them: the import-linter
 contracts in pyproject.toml):
-- pure data, torch-free and redis-free: `config` (environment), `keys` (Redis key schema), `events` (the
-  step-event stream contract), `buckets` (dtype-grouped packing plans), `manifest` (manifest and ACK codecs),
-  `history`, `outcome`, `waits`;
+- pure data, torch-free and redis-free: `config` (environment), `keys` (Redis key schema), `buckets`
+  (dtype-grouped packing plans), `manifest` (manifest and ACK codecs), `history`, `outcome`, `waits`; the
+  step-event codec and the variable table they share with the operator are in `colocate_runtime.contract`;
+  beside them `exchange_seam` (what the reader hands a cross-GPU exchange; torch only for the type checker);
 - transports and services: `metastore` (Redis protocol operations), `liveness` (heartbeats), `transport`,
   `ipc` (CUDA IPC), `shm` (shared memory, the CPU path), `preflight`, `close` (verified forced close),
   `checksum`, `views`, and the copy kernels `fastcopy`, `strided`, `copy_kernel`;
-- copy programs: `gather` (reader side), `inplace` (trainer side);
+- copy programs: `reader_program` (the reader's, compiled once per layout), `gather` (its in-place case),
+  `inplace` (trainer side), and `kept` (the trainer's storage the reader keeps mapped across steps);
 - the two preflight sides, independent of each other: `preflight_reader`, `preflight_trainer`;
-- facades: `writer.WeightWriter` (trainer side) and `reader.WeightReader` (SGLang side), independent of each
-  other; then `exchange` (the reader's reshard over runtime/p2p) and `wiring` (build both from a
-  `ColocateConfig`).
+- facades, independent of each other: `writer.WeightWriter` (trainer side), `reader.WeightReader` (SGLang
+  side, the step protocol) and `exchange` (an `Exchange` for the reader: the reshard over runtime/p2p); then
+  `wiring` (build them from a `ColocateConfig`) and, beside it, `repush` (the trainer pushes its weights again
+  to a restarted SGLang side).
 
-This package imports nothing heavy itself, so `colocate_runtime.colocated.events` and `.config` can be used
-without torch.
+This package imports nothing heavy itself, so `colocate_runtime.colocated.config` can be used without torch.
 """

@@ -1,50 +1,36 @@
 """Configuration of the colocated weight update, read once from the environment.
 
-The operator injects these variables into both containers of a pod (trainer and SGLang). Required:
+The variables, their types, defaults and meanings are the contract's table (`colocate_runtime.contract.env`,
+rendered in operator/README.md, "Pod environment contract"); `ColocateConfig.from_env` reads each through it,
+so a name or default is written once. The operator injects the job's into both containers of a pod; the rest
+keep their defaults there (the CRD reserves the `COLOCATE_` prefix) and are set only outside operator pods.
 
-| variable | meaning |
-|---|---|
-| `COLOCATE_JOB_NAME` | the ColocateJob's name (part of every Redis key) |
-| `COLOCATE_NAMESPACE` | the ColocateJob's namespace (part of every Redis key) |
-| `COLOCATE_METASTORE_ADDR` | `host:port` of the job's Redis |
-| `COLOCATE_METASTORE_PASSWORD` | Redis password, from the operator's Secret (`secretKeyRef`); never logged |
-
-Optional, with defaults:
-
-| variable | default | meaning |
-|---|---|---|
-| `COLOCATE_REPLICA_INDEX` | `0` | index of this pod in the job (0..numNodes-1) |
-| `COLOCATE_BUCKET_MB` | `1024` | cap of one dtype-grouped bucket, MiB (a larger tensor gets its own) |
-| `COLOCATE_STEP_TIMEOUT_SECONDS` | `300` | how long either side waits for its peer within one step |
-| `COLOCATE_HEARTBEAT_TTL_SECONDS` | `10` | a peer whose heartbeat has not been seen for this long is dead |
-| `COLOCATE_KEY_TTL_SECONDS` | `600` | TTL of every per-step key |
-| `COLOCATE_VERIFY` | `None` | `None` or `SampledChecksum` (both sides checksum a few sampled entries) |
-| `COLOCATE_TRANSPORT` | `CudaIPC` | `CudaIPC` (colocated), `SharedMemory` (CPU path, tests), `NCCL` (p2p) |
-| `COLOCATE_SHM_DIR` | `/dev/shm` | directory of the shared-memory buckets (`SharedMemory` transport only) |
-| `COLOCATE_ROLLOUT_PORT` | `30000` | SGLang's HTTP port in the same pod (the adapter calls 127.0.0.1) |
-| `COLOCATE_SGLANG_URL` | from the port | SGLang's HTTP address, when it is not `http://127.0.0.1:PORT` |
-| `COLOCATE_IPC_PREFLIGHT` | `Off` | `Wait`, `Fail` or `Off`: the IPC preflight (preflight.py), see below |
-| `COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS` | `60` | one preflight attempt; no answer in it: `PeerTimeout` |
-| `COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS` | `900` | `Wait` mode gives up (raises) after this long; `0`: never |
-
-Set by the operator from `spec.rollout.apiKeySecretRef` (both containers): `SGLANG_API_KEY`, the key SGLang
-runs with (`python -m colocate_runtime.sglang.serve` passes it as `--api-key` without a command line; or the
-value of its `--admin-api-key` where one is set); the adapter sends it as a bearer token and never logs it.
-
-The operator sets `COLOCATE_IPC_PREFLIGHT` from `spec.weightSync.ipcPreflight.mode` (default `Wait`); unset,
-it is `Off`, because outside the operator's pods (tests, benchmarks) nothing may answer a preflight.
+`SGLANG_API_KEY` (from `spec.rollout.apiKeySecretRef`, both containers) is the key SGLang runs with
+(`python -m colocate_runtime.sglang.serve` passes it as `--api-key`; or the value of its `--admin-api-key`
+where one is set); the adapter sends it as a bearer token and never logs it.
 
 Everything else in the runtime takes a `ColocateConfig` (or a part of it); nothing below reads `os.environ`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-TRANSPORTS = ("CudaIPC", "SharedMemory", "NCCL")
-VERIFY_MODES = ("None", "SampledChecksum")
-PREFLIGHT_MODES = ("Wait", "Fail", "Off")
+from colocate_runtime.contract import env
+
+TRANSPORTS = env.TRANSPORT.choices
+VERIFY_MODES = env.VERIFY.choices
+PREFLIGHT_MODES = env.IPC_PREFLIGHT.choices
+# A step's keys outlive its slowest side by a whole step timeout; never below the shortest TTL used before.
+KEY_TTL_MIN_S = 600
+
+
+def default_key_ttl(step_timeout_s: float) -> int:
+    """`COLOCATE_KEY_TTL_SECONDS` when unset: twice the step timeout, at least KEY_TTL_MIN_S."""
+    return max(KEY_TTL_MIN_S, math.ceil(2 * step_timeout_s))
 
 
 class ConfigError(ValueError):
@@ -66,19 +52,21 @@ class ColocateConfig:
     job: str
     namespace: str
     metastore: MetaStoreAddress
-    replica_index: int = 0
-    bucket_bytes: int = 1024 << 20
-    step_timeout_s: float = 300.0
-    heartbeat_ttl_s: float = 10.0
-    key_ttl_s: int = 600
-    verify: str = "None"
-    transport: str = "CudaIPC"
-    shm_dir: str = "/dev/shm"
-    sglang_url: str = "http://127.0.0.1:30000"
+    # The defaults are the table's (contract/env.py), so a config built in code agrees with one read.
+    replica_index: int = env.REPLICA_INDEX.default
+    bucket_bytes: int = env.BUCKET_MB.default << 20
+    step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
+    heartbeat_ttl_s: float = float(env.HEARTBEAT_TTL_SECONDS.default)
+    key_ttl_s: int = default_key_ttl(float(env.STEP_TIMEOUT_SECONDS.default))
+    verify: str = env.VERIFY.default
+    transport: str = env.TRANSPORT.default
+    shm_dir: str = env.SHM_DIR.default
+    sglang_url: str = f"http://127.0.0.1:{env.ROLLOUT_PORT.default}"
     sglang_api_key: str | None = field(default=None, repr=False)
-    ipc_preflight: str = "Off"
-    ipc_preflight_timeout_s: float = 60.0
-    ipc_preflight_wait_s: float = 900.0  # bounded: a worker side that never starts is an error; 0: forever
+    ipc_preflight: str = env.IPC_PREFLIGHT.default
+    ipc_preflight_timeout_s: float = float(env.IPC_PREFLIGHT_TIMEOUT_SECONDS.default)
+    # Bounded: a worker side that never starts is an error; 0: forever.
+    ipc_preflight_wait_s: float = float(env.IPC_PREFLIGHT_WAIT_SECONDS.default)
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -114,43 +102,38 @@ class ColocateConfig:
 
     @staticmethod
     def from_env(environ: Mapping[str, str]) -> ColocateConfig:
-        """Read and validate the variables above (pass `os.environ` at the process's edge)."""
+        """Read and validate the variables of the table (pass `os.environ` at the process's edge)."""
+        try:
+            return ColocateConfig._from_env(environ)
+        except env.EnvError as err:
+            raise ConfigError(str(err)) from None
 
-        def required(name: str) -> str:
-            value = environ.get(name, "").strip()
-            if not value:
-                raise ConfigError(f"{name} is not set (the operator injects it into both containers)")
-            return value
+    @staticmethod
+    def _from_env(environ: Mapping[str, str]) -> ColocateConfig:
+        def read(var: env.Var) -> Any:
+            return var.read(environ)
 
-        def number(name: str, default: float, kind: type = float) -> float:
-            raw = environ.get(name, "").strip()
-            if not raw:
-                return default
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not a {kind.__name__}") from None
-
-        addr = required("COLOCATE_METASTORE_ADDR")
+        addr = read(env.METASTORE_ADDR)
         host, sep, port = addr.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"COLOCATE_METASTORE_ADDR={addr!r}: expected host:port")
+            raise ConfigError(f"{env.METASTORE_ADDR.name}={addr!r}: expected host:port")
+        step_timeout_s = float(read(env.STEP_TIMEOUT_SECONDS))
+        key_ttl_s = read(env.KEY_TTL_SECONDS)
         return ColocateConfig(
-            job=required("COLOCATE_JOB_NAME"),
-            namespace=required("COLOCATE_NAMESPACE"),
-            metastore=MetaStoreAddress(host.strip("[]"), int(port), required("COLOCATE_METASTORE_PASSWORD")),
-            replica_index=int(number("COLOCATE_REPLICA_INDEX", 0, int)),
-            bucket_bytes=int(number("COLOCATE_BUCKET_MB", 1024, int)) << 20,
-            step_timeout_s=number("COLOCATE_STEP_TIMEOUT_SECONDS", 300.0),
-            heartbeat_ttl_s=number("COLOCATE_HEARTBEAT_TTL_SECONDS", 10.0),
-            key_ttl_s=int(number("COLOCATE_KEY_TTL_SECONDS", 600, int)),
-            verify=environ.get("COLOCATE_VERIFY", "").strip() or "None",
-            transport=environ.get("COLOCATE_TRANSPORT", "").strip() or "CudaIPC",
-            shm_dir=environ.get("COLOCATE_SHM_DIR", "").strip() or "/dev/shm",
-            sglang_url=environ.get("COLOCATE_SGLANG_URL", "").strip()
-            or f"http://127.0.0.1:{int(number('COLOCATE_ROLLOUT_PORT', 30000, int))}",
-            sglang_api_key=environ.get("SGLANG_API_KEY", "").strip() or None,
-            ipc_preflight=environ.get("COLOCATE_IPC_PREFLIGHT", "").strip() or "Off",
-            ipc_preflight_timeout_s=number("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", 60.0),
-            ipc_preflight_wait_s=number("COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS", 900.0),
+            job=read(env.JOB_NAME),
+            namespace=read(env.NAMESPACE),
+            metastore=MetaStoreAddress(host.strip("[]"), int(port), read(env.METASTORE_PASSWORD)),
+            replica_index=read(env.REPLICA_INDEX),
+            bucket_bytes=read(env.BUCKET_MB) << 20,
+            step_timeout_s=step_timeout_s,
+            heartbeat_ttl_s=float(read(env.HEARTBEAT_TTL_SECONDS)),
+            key_ttl_s=default_key_ttl(step_timeout_s) if key_ttl_s is None else key_ttl_s,
+            verify=read(env.VERIFY),
+            transport=read(env.TRANSPORT),
+            shm_dir=read(env.SHM_DIR),
+            sglang_url=read(env.SGLANG_URL) or f"http://127.0.0.1:{read(env.ROLLOUT_PORT)}",
+            sglang_api_key=read(env.SGLANG_API_KEY),
+            ipc_preflight=read(env.IPC_PREFLIGHT),
+            ipc_preflight_timeout_s=float(read(env.IPC_PREFLIGHT_TIMEOUT_SECONDS)),
+            ipc_preflight_wait_s=float(read(env.IPC_PREFLIGHT_WAIT_SECONDS)),
         )

@@ -20,6 +20,12 @@ so a bad manifest, an abort or a trainer that never published on one GPU makes e
 that GPU gives up (its step timeout), and the group stays usable for the next step. A rank that never comes
 at all (stuck, dead) is bounded by `agree_timeout_s`; after such a timeout, or a p2p timeout, the group
 cannot be trusted and every later call raises at once: restart the workers.
+
+Slices from other GPUs land in the targets (SGLang's own parameters) without a staging copy where each is one
+dense run of its target (runtime/p2p/program.py; `last_report.received_in_place` against `received_staged`).
+Nothing is received before the ballot and the executor's own start vote have passed; a failure after them
+leaves the exchanged regions partly written (runtime/p2p/executor.py says how), beside the reader's local
+copy, and the step fails: its targets hold no version.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from colocate_runtime.colocated.exchange_seam import ExchangeRequest
 from colocate_runtime.colocated.outcome import StepFailed
-from colocate_runtime.colocated.reader import ExchangeRequest
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError
 from colocate_runtime.p2p.executor import P2PExchange, RunReport, default_device

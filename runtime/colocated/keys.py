@@ -10,7 +10,8 @@ differently).
 | key | type | written by | content |
 |---|---|---|---|
 | `{p}:gen:{uuid}` | counter | trainer (`INCR` at start) | current incarnation on that GPU |
-| `{p}:events` | stream | both sides | step events for the operator (events.py) |
+| `{p}:engine:{uuid}` | counter | SGLang side (`INCR` at start) | engine instance on that GPU (repush.py) |
+| `{p}:events` | stream | both sides | step events for the operator (contract/events.py) |
 | `{p}:hb:{role}:{uuid}` | string, TTL | each process (`trainer`, `reader`) | JSON: pid, host, state |
 | `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
 | `{p}:g{gen}:ready:{uuid}` | list, TTL | trainer | step numbers whose manifest is published |
@@ -26,6 +27,8 @@ differently).
 | `{p}:g{gen}:pf{n}:result:{uuid}` | JSON, TTL, NX | reader | the verdict, written after the verified close |
 | `{p}:g{gen}:pf{n}:resultq:{uuid}` | list, TTL | reader | a token pushed with the verdict (trainer waits) |
 
+A suspend's checkpoint request, ACKs and resume step are under `{p}:checkpoint:` (contract/checkpoint.py).
+
 A step's claim is `revoked` (the trainer gave up first) or `reader:{host}:{pid}:{instance}:{sha1(proof)}`:
 the reader instance that claimed it and the digest of a per-step proof; only an ACK carrying that proof is
 written (metastore.write_ack) and counted by the trainer.
@@ -34,6 +37,9 @@ written (metastore.write_ack) and counted by the trainer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from colocate_runtime.contract.events import stream_key
+from colocate_runtime.contract.jobkeys import job_prefix
 
 ROLES = ("trainer", "reader")
 
@@ -45,13 +51,16 @@ class KeySchema:
 
     @property
     def prefix(self) -> str:
-        return f"colocate:{self.namespace}:{self.job}"
+        return job_prefix(self.namespace, self.job)
 
     def gen(self, uuid: str) -> str:
         return f"{self.prefix}:gen:{uuid}"
 
+    def engine(self, uuid: str) -> str:
+        return f"{self.prefix}:engine:{uuid}"
+
     def events(self) -> str:
-        return f"{self.prefix}:events"
+        return stream_key(self.namespace, self.job)
 
     def heartbeat(self, role: str, uuid: str) -> str:
         if role not in ROLES:

@@ -62,6 +62,9 @@ class Manifest:
     buckets: tuple[BucketRecord, ...]
     entries: tuple[PlacedEntry, ...]
     checksums: dict[str, str] = field(default_factory=dict)
+    # Buckets the producer lets the reader keep mapped across steps: its own storage, which stays where it
+    # is (the reader's KeptMappings). A reader that does not know the field maps and closes them per step.
+    kept: tuple[int, ...] = ()
 
     @property
     def payload_bytes(self) -> int:
@@ -156,6 +159,7 @@ def _manifest_doc(m: Manifest) -> dict[str, Any]:
             for b in m.buckets
         ],
         "checksums": dict(m.checksums),
+        **({"kept": list(m.kept)} if m.kept else {}),
     }
 
 
@@ -253,6 +257,7 @@ def decode_manifest(
             buckets=buckets,
             entries=entries,
             checksums={str(k): str(v) for k, v in dict(doc.get("checksums") or {}).items()},
+            kept=tuple(int(i) for i in doc.get("kept") or ()),
         )
     except ManifestError:
         raise
@@ -265,6 +270,9 @@ def decode_manifest(
     ):
         if want is not None and got != want:
             raise ManifestError(f"manifest for {what} {got!r} found under the key of {what} {want!r}")
+    stray = set(m.kept) - {b.index for b in m.buckets}
+    if stray:
+        raise ManifestError(f"manifest keeps buckets {sorted(stray)} mapped, which it does not have")
     if cached is not None:
         return m
     try:
@@ -390,6 +398,9 @@ class Ack:
     # Earlier steps of this reader whose close failed and whose mappings are still alive (generation, step):
     # their parked buckets stay parked. None: not said (assume every earlier failed close is still mapped).
     held: tuple[tuple[int, int], ...] | None = None
+    # Buckets of this step the reader still maps through its kept mappings, as the manifest allowed
+    # (Manifest.kept): the step's own share of them is closed; the trainer's storage stays mapped.
+    kept: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "error"):
@@ -415,6 +426,7 @@ class Ack:
                 "proof": self.proof,
                 "opened": None if self.opened is None else list(self.opened),
                 "held": None if self.held is None else [list(h) for h in self.held],
+                **({"kept": list(self.kept)} if self.kept else {}),
             },
             separators=(",", ":"),
         )
@@ -440,6 +452,7 @@ class Ack:
                 proof=str(d.get("proof", "")),
                 opened=_ack_ints(d.get("opened"), "opened"),
                 held=_ack_held(d.get("held")),
+                kept=_ack_ints(d.get("kept"), "kept") or (),
             )
         except ManifestError:
             raise

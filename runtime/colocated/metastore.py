@@ -20,10 +20,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.config import MetaStoreAddress
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.manifest import Ack, ManifestError
+from colocate_runtime.contract import events as ev
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -287,6 +287,25 @@ class MetaStore:
     def restore_gen(self, uuid: str, gen: int) -> None:
         """After a Redis restart the counter is gone; put ours back unless a newer trainer set one."""
         self.client.set(self.keys.gen(uuid), gen, nx=True)
+
+    # --- engine instances (repush.py) ---------------------------------------------------------------------
+
+    @_translated
+    def register_engine(self, uuid: str) -> int:
+        """A new SGLang-side process serves GPU `uuid`: its engine instance number (the trainer re-pushes its
+        current weights to an instance it has not served)."""
+        return int(self.client.incr(self.keys.engine(uuid)))
+
+    @_translated
+    def engine_instance(self, uuid: str) -> int | None:
+        raw = self.client.get(self.keys.engine(uuid))
+        return None if raw is None else int(raw)
+
+    @_translated
+    def clear_step(self, gen: int, step: int, uuid: str) -> None:
+        """Forget a step on GPU `uuid` so it can be published again (repush.py): its per-GPU keys and the
+        step's abort key (an engine that died mid-step left the step aborted)."""
+        self.client.delete(*self.keys.step_keys(gen, step, uuid), self.keys.step_abort(gen, step))
 
     # --- heartbeats ---------------------------------------------------------------------------------------
 

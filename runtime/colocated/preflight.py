@@ -2,8 +2,8 @@
 pod can open what the trainer exports. Without it, a pod whose containers see different GPUs, or do not share
 /dev/shm or the PID namespace, hangs (or fails obscurely) at its first weight sync.
 
-One attempt per trainer GPU (keys in keys.py, events in events.py; the two sides are preflight_trainer.py and
-preflight_reader.py):
+One attempt per trainer GPU (keys in keys.py, events in contract/events.py; the two sides are
+preflight_trainer.py and preflight_reader.py):
 
 1. Trainer: a small pattern buffer (1 MiB) through the same exporter as real steps, a probe file in the
    shared-memory directory, and the offer (msgpack, `NX`, TTL) under its generation and attempt number,
@@ -36,9 +36,9 @@ from typing import Any
 import msgpack
 import torch
 
-from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.manifest import Descriptor
+from colocate_runtime.contract import events as ev
 
 SCHEMA_VERSION = 1
 DEFAULT_NBYTES = 1 << 20

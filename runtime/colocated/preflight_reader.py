@@ -24,9 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-from colocate_runtime.colocated import events as ev
 from colocate_runtime.colocated.close import ImportScope
-from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.liveness import host_id, process_gone
 from colocate_runtime.colocated.metastore import MetaStore, MetaStoreError, MetaStoreUnavailable
 from colocate_runtime.colocated.preflight import (
@@ -42,6 +40,8 @@ from colocate_runtime.colocated.preflight import (
 )
 from colocate_runtime.colocated.transport import BucketGone, BucketImporter, DeviceNotVisible
 from colocate_runtime.colocated.waits import WAKE_S, Deadline
+from colocate_runtime.contract import events as ev
+from colocate_runtime.contract.events import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -277,19 +277,10 @@ class PreflightResponder:
                 verdict.reason,
                 verdict.message,
             )
-        event = StepEvent(
-            role="reader",
-            gen=gen,
-            step=0,
-            phase="preflight",
-            seconds=verdict.seconds,
-            bytes=offer.nbytes if offer is not None else 0,
-            handles=1,
-            replica=self.replica,
-            rank=self.rank,
-            gpu=gpu,
-            **event_fields(verdict),
-        )
+        # Filed under the trainer's GPU (the offer's), as the trainer's own preflight records are.
+        source = EventSource("reader", self.replica, self.rank, gpu)
+        nbytes = offer.nbytes if offer is not None else 0
+        event = source.preflight(gen, nbytes=nbytes, seconds=verdict.seconds, **event_fields(verdict))
         try:
             self.store.emit(event)
         except MetaStoreError as err:

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colocate_runtime.colocated import events as ev
-from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.liveness import host_id, process_gone
 from colocate_runtime.colocated.metastore import (
     CLAIM_REVOKED,
@@ -34,6 +32,8 @@ from colocate_runtime.colocated.preflight import (
 )
 from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
 from colocate_runtime.colocated.waits import Deadline
+from colocate_runtime.contract import events as ev
+from colocate_runtime.contract.events import EventSource, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class TrainerPreflight:
         self.replica = replica
         self.rank = rank
         self.uuid = exporter.device_uuid()
+        self.source = EventSource("trainer", replica, rank, self.uuid)
         self._emit = emit
         self._attempt = 0  # attempt numbers never repeat within a process (offers are NX)
         self._parked: list[_Parked] = []
@@ -249,21 +250,7 @@ class TrainerPreflight:
         self, gen: int, *, result: str = "", verdict: Verdict | None = None, seconds: float = 0.0
     ) -> None:
         fields = event_fields(verdict) if verdict is not None else {"result": result}
-        self._emit(
-            StepEvent(
-                role="trainer",
-                gen=gen,
-                step=0,
-                phase="preflight",
-                seconds=seconds,
-                bytes=self.settings.nbytes,
-                handles=1,
-                replica=self.replica,
-                rank=self.rank,
-                gpu=self.uuid,
-                **fields,
-            )
-        )
+        self._emit(self.source.preflight(gen, nbytes=self.settings.nbytes, seconds=seconds, **fields))
 
 
 def _decode_verdict(raw: bytes) -> Verdict:

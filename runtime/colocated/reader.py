@@ -4,12 +4,15 @@ then ACK.
 The reader runs where the parameters live (inside the SGLang worker of its GPU; see sglang/loader.py). It
 follows the trainer's current incarnation, waits for the next step on its GPU's ready list, claims the step
 (so a trainer that gave up cannot free buckets under it), opens each bucket once, copies every entry into the
-matching target parameter, and hands whatever the local copy cannot fill to the `Exchange` seam (the cross-GPU
-exchange of runtime/p2p plugs in there when the inference layout differs from the trainer's). It then closes
-every mapping verifiably (close.py), compares sampled checksums, and writes the ACK with `ipc_closed`.
+matching target parameter (the layout's copy program, reader_program.py), and hands whatever the local copy
+cannot fill to the `Exchange` seam (exchange_seam.py: the cross-GPU exchange of runtime/p2p plugs in there
+when the inference layout differs from the trainer's). It then closes every mapping verifiably (close.py),
+compares sampled checksums, and writes the ACK with `ipc_closed`.
 
 It opens at most one step at a time and closes it before acknowledging, so an ACK for a step also says that
-no mapping of any earlier step is still open; the writer relies on that to free parked buckets.
+no mapping of any earlier step is still open; the writer relies on that to free parked buckets. The one
+exception is what a manifest lets it keep (`Manifest.kept`, kept.py): the trainer's own storage, which the
+trainer does not free.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +36,9 @@ from colocate_runtime.colocated import checksum, fastcopy
 from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.events import StepEvent
-from colocate_runtime.colocated.gather import GatherProgram, compile_gather
+from colocate_runtime.colocated.exchange_seam import Exchange, ExchangeRequest
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
+from colocate_runtime.colocated.kept import KeptMappings
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
 from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
 from colocate_runtime.colocated.metastore import (
@@ -55,11 +58,13 @@ from colocate_runtime.colocated.outcome import (
     StepReport,
     StepTimedOut,
 )
+from colocate_runtime.colocated.reader_program import CopyProgram, ProgramCache, compile_program
 from colocate_runtime.colocated.transport import BucketImporter
-from colocate_runtime.colocated.views import dtype_name, entry_view
+from colocate_runtime.colocated.views import entry_view
 from colocate_runtime.colocated.waits import Deadline
-from colocate_runtime.dtypes import torch_dtype
-from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
+from colocate_runtime.contract import env
+from colocate_runtime.contract.events import EventSource, StepEvent
+from colocate_runtime.shards import Box, TensorShard
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.preflight_reader import PreflightResponder
@@ -70,19 +75,28 @@ OVERLAP_MIN_BYTES = 64 << 20  # buckets this large start copying before the next
 
 
 @dataclass(frozen=True, slots=True)
+class ReaderBenchSwitches:
+    """Benchmark-only: each switch brings back a cost the reader avoids, so a measurement can compare against
+    it (bench/colocated_bench.py). Nothing reads them from a `ColocateConfig`: a deployed reader runs these
+    defaults."""
+
+    blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
+    # One batched copy launch per bucket where Triton and CUDA are there (fastcopy.py).
+    copy_kernel: bool = True
+    overlap_open: bool = True  # enqueue a bucket's copies as soon as it is open, while the next ones open
+
+
+@dataclass(frozen=True, slots=True)
 class ReaderSettings:
     job: str
     namespace: str
     replica: int = 0
     rank: int = 0
-    step_timeout_s: float = 300.0
+    step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
     heartbeat_ttl_s: float = 10.0
     verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
     allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
-    blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
-    # One batched copy launch per bucket where Triton and CUDA are there (fastcopy.py).
-    copy_kernel: bool = True
-    overlap_open: bool = True  # enqueue a bucket's copies as soon as it is open, while the next ones open
+    bench: ReaderBenchSwitches = field(default_factory=ReaderBenchSwitches)  # only benchmarks change these
 
     @staticmethod
     def from_config(cfg: ColocateConfig, *, rank: int = 0) -> ReaderSettings:
@@ -94,64 +108,6 @@ class ReaderSettings:
             step_timeout_s=cfg.step_timeout_s,
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ExchangeRequest:
-    """What the local copy could not do. Views in `local` alias the mapped buckets: valid during the call.
-
-    `missing` maps a target name to its parameter; `missing_boxes` the regions of it (global coordinates, per
-    `target_shards`) still to fill. The exchange enqueues its device work on the current stream (the reader
-    synchronizes before the close), keeps no reference to any view after it returns, and returns the names it
-    filled completely. A receive that needs a dense buffer stages into one and copies back.
-    """
-
-    manifest: Manifest
-    local: Mapping[str, torch.Tensor]
-    local_entries: Mapping[str, PlacedEntry]
-    missing: Mapping[str, torch.Tensor]
-    missing_boxes: Mapping[str, tuple[Box, ...]]
-    target_shards: Mapping[str, TensorShard]
-
-
-class Exchange(Protocol):
-    """Fills what the local copy could not. When set, the reader calls it on every step it applies, even with
-    nothing missing: a collective exchange needs every GPU, including those that only send.
-
-    A collective exchange may also define `abandon(error)`: the reader calls it when a step fails on this GPU
-    before the exchange was called (no step published in time, a bad manifest, an abort), so peers already
-    waiting in the exchange fail at once instead of at their timeout. So every `apply_next` (or `apply`)
-    takes part in the exchange exactly once: by calling it, or by abandoning.
-    """
-
-    def __call__(self, request: ExchangeRequest) -> set[str]: ...
-
-
-@dataclass(slots=True)
-class _BucketProgram:
-    index: int
-    dtype: torch.dtype
-    sizes: list[int]  # split sizes in elements, covering the whole bucket (padding included)
-    copies: list[tuple[int, torch.Tensor, tuple[int, ...] | None]]  # chunk, destination, shape if strided
-    table: fastcopy.TileTable | None = None  # the entries the batched kernel copies (not in `copies`)
-
-
-@dataclass(slots=True)
-class _CopyProgram:
-    buckets: dict[int, _BucketProgram] = field(default_factory=dict)
-    sharded: list[PlacedEntry] = field(default_factory=list)
-    extra: dict[str, PlacedEntry] = field(default_factory=dict)
-    covered: dict[str, int] = field(default_factory=dict)
-    copied_bytes: int = 0
-    gather: GatherProgram | None = None  # an in-place step: every local copy (gather.py)
-
-
-@dataclass(slots=True)
-class _CopyPlan:
-    direct_dst: list[torch.Tensor] = field(default_factory=list)
-    direct_src: list[torch.Tensor] = field(default_factory=list)
-    covered: dict[str, int] = field(default_factory=dict)
-    copied_bytes: int = 0
 
 
 class WeightReader:
@@ -189,9 +145,9 @@ class WeightReader:
         self._heartbeat: Heartbeat | None = None
         self._watch: tuple[int | None, PeerWatch] | None = None
         self._lost_gen: int | None = None
-        self._programs: dict[tuple, _CopyProgram] = {}
+        self._programs = ProgramCache()
         self._layouts = LayoutCache()  # the last checked layout: a repeated one is not decoded again
-        self._last_program: tuple[tuple[PlacedEntry, ...], tuple, _CopyProgram] | None = None
+        self._kept = KeptMappings(importer)  # the trainer's storage kept mapped, where its manifests allow
         self._layout_hash: tuple[tuple[PlacedEntry, ...], str] | None = None
         self._exchange_called: bool | None = None  # None outside a step; else whether this step called it
         self.preflight: PreflightResponder | None = None  # the IPC preflight responder; stopped at close
@@ -214,6 +170,7 @@ class WeightReader:
         return self
 
     def close(self) -> None:
+        self._kept.drop_all("reader closed")
         if self.preflight is not None:
             self.preflight.stop()
             self.preflight = None
@@ -259,6 +216,7 @@ class WeightReader:
             if lost and self._lost_gen != self.gen:
                 # Said once per incarnation; later calls wait for the restarted trainer's new generation.
                 self._lost_gen = self.gen
+                self._kept.drop_all("trainer lost")
                 raise PeerLost(f"trainer on {self.uuid} stopped heartbeating (generation {self.gen})")
             if deadline.expired:
                 if unreachable is not None:
@@ -281,6 +239,7 @@ class WeightReader:
                     current,
                     self.gen,
                 )
+                self._kept.drop_all(f"trainer generation {self.gen} ended")
             self.gen = current
         return self.gen
 
@@ -366,6 +325,9 @@ class WeightReader:
             if reason is not None:
                 raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
             t0 = time.perf_counter()
+            # The kept allocations are mapped (or stay mapped) before the step opens its own storages, so
+            # those opens reuse the mapping; anchors the manifest no longer keeps are dropped here.
+            kept = self._kept.hold([b for b in manifest.buckets if b.index in manifest.kept])
             program = self._program(manifest)
             # Open each bucket once; with overlap_open a large bucket's copies are enqueued at once (the
             # device copies bucket i while the host opens bucket i+1); small buckets, whose copies would hide
@@ -377,12 +339,12 @@ class WeightReader:
                 o0 = time.perf_counter()
                 scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
                 open_s += time.perf_counter() - o0
-                if self.settings.overlap_open and b.nbytes >= OVERLAP_MIN_BYTES:
-                    self._copy_bucket(program, b.index, scope)
+                if self.settings.bench.overlap_open and b.nbytes >= OVERLAP_MIN_BYTES:
+                    program.copy_bucket(b.index, scope.bucket)
                 else:
                     pending.append(b.index)
             for index in pending:
-                self._copy_bucket(program, index, scope)
+                program.copy_bucket(index, scope.bucket)
             copied = self._copy_rest(manifest, program, scope)
             self.importer.synchronize()  # the copy phase ends when the device is done with it
             seconds["open"] = open_s
@@ -394,7 +356,7 @@ class WeightReader:
             self._remember_unreleased(gen, step, scope, close)
             self._fail(manifest, err, close, seconds)
             raise
-        close = scope.close(self.importer.synchronize, blanket_gc=self.settings.blanket_gc)
+        close = scope.close(self.importer.synchronize, blanket_gc=self.settings.bench.blanket_gc)
         seconds["close"] = close.seconds
         self._remember_unreleased(gen, step, scope, close)
         if not close.released:
@@ -426,6 +388,7 @@ class WeightReader:
             **self._signed(gen, step),
             opened=close.opened,
             held=self._held(),
+            kept=kept,
         )
         t3 = time.perf_counter()
         self.last_applied = (gen, step)
@@ -460,40 +423,11 @@ class WeightReader:
         return report
 
     @torch.no_grad()
-    def _copy_bucket(self, program: _CopyProgram, index: int, scope: ImportScope) -> None:
-        """Enqueue the whole-parameter entries of one bucket: one kernel launch for those it can take, then
-        one split (a single call makes every remaining entry's view) and one copy per remaining entry."""
-        if program.gather is not None:
-            program.gather.launch(index, scope.bucket(index))
-            return
-        bp = program.buckets.get(index)
-        if bp is None:
-            return
-        flat = scope.bucket(index)
-        if bp.table is not None:
-            bp.table.launch(flat)
-        if bp.copies:
-            chunks = flat.view(bp.dtype).split(bp.sizes)
-            for chunk_index, dst, shape in bp.copies:
-                src = chunks[chunk_index]
-                dst.copy_(src if shape is None else src.view(shape))
-            del chunks
-        del flat
-
-    @torch.no_grad()
-    def _copy_rest(self, manifest: Manifest, program: _CopyProgram, scope: ImportScope) -> int:
+    def _copy_rest(self, manifest: Manifest, program: CopyProgram, scope: ImportScope) -> int:
         """Sharded entries and the exchange, once every bucket is open; returns the bytes copied here."""
-        plan = _CopyPlan(covered=dict(program.covered), copied_bytes=program.copied_bytes)
-        if program.gather is not None:
-            program.gather.copy_slow(scope.bucket)
-        for e in program.sharded:
-            self._plan_entry(e, entry_view(scope.bucket(e.bucket), e), self.targets[e.name], plan)
-        for dst, src in zip(plan.direct_dst, plan.direct_src, strict=True):
-            dst.copy_(src)
-        plan.direct_dst.clear()
-        plan.direct_src.clear()
+        covered, copied_bytes = program.copy_sharded(scope.bucket, self.targets, self.target_shards)
         extra = program.extra
-        missing = {n: t for n, t in self.targets.items() if plan.covered.get(n, 0) < t.numel()}
+        missing = {n: t for n, t in self.targets.items() if covered.get(n, 0) < t.numel()}
         if extra and self.exchange is None and not self.settings.allow_extra_entries:
             raise CoverageError(
                 f"step {manifest.step}: {len(extra)} entries have no parameter here: {sorted(extra)[:8]}",
@@ -518,29 +452,14 @@ class WeightReader:
                 f"step {manifest.step}: {len(missing)} parameters not filled: {sorted(missing)[:8]}",
                 step=manifest.step,
             )
-        return plan.copied_bytes
+        return copied_bytes
 
-    def _program(self, manifest: Manifest) -> _CopyProgram:
+    def _program(self, manifest: Manifest) -> CopyProgram:
         """The copy program of a layout, built (and checked) once: layouts repeat from step to step."""
-        sizes = tuple((b.index, b.dtype, b.nbytes) for b in manifest.buckets)
-        last = self._last_program
-        if last is not None and last[0] is manifest.entries and last[1] == sizes:
-            return last[2]  # the layout cache handed back the very entries of the last step
-        key = (
-            sizes,
-            tuple(
-                (e.name, e.dtype, e.shape, e.bucket, e.offset, e.nbytes, e.shard, e.view)
-                for e in manifest.entries
-            ),
+        return self._programs.get(
+            manifest,
+            lambda m: compile_program(m, self.targets, self.target_shards, self._kernel_device()),
         )
-        program = self._programs.get(key)
-        if program is None:
-            program = self._build_program(manifest)
-            if len(self._programs) >= 4:
-                self._programs.clear()
-            self._programs[key] = program
-        self._last_program = (manifest.entries, sizes, program)
-        return program
 
     def _hash_of(self, manifest: Manifest) -> str:
         """The layout hash for the history, computed once per layout (a millisecond at 400 entries)."""
@@ -551,116 +470,9 @@ class WeightReader:
     def _kernel_device(self) -> torch.device | None:
         """The device whose buckets the batched copy kernel copies, or None to copy entry by entry."""
         device = getattr(self.importer, "device", None)
-        if not self.settings.copy_kernel or not isinstance(device, torch.device):
+        if not self.settings.bench.copy_kernel or not isinstance(device, torch.device):
             return None
         return device if fastcopy.available(device) else None
-
-    def _build_program(self, manifest: Manifest) -> _CopyProgram:
-        program = _CopyProgram()
-        direct: dict[int, list[PlacedEntry]] = {}
-        in_place = any(e.view is not None for e in manifest.entries)
-        gathered: list[PlacedEntry] = []
-        for e in manifest.entries:
-            target = self.targets.get(e.name)
-            if target is None:
-                program.extra[e.name] = e
-                continue
-            if dtype_name(target.dtype) != e.dtype:
-                raise StepFailed(
-                    f"{e.name}: trainer sent {e.dtype}, the parameter is {dtype_name(target.dtype)}; "
-                    "the converter must emit the receiver's dtype",
-                    step=manifest.step,
-                )
-            if in_place:
-                gathered.append(e)
-                continue
-            if e.shard is not None or e.name in self.target_shards:
-                program.sharded.append(e)
-                continue
-            if tuple(target.shape) != e.shape:
-                raise StepFailed(
-                    f"{e.name}: trainer sent shape {list(e.shape)}, the parameter has "
-                    f"{list(target.shape)} (no shard boxes to reconcile them)",
-                    step=manifest.step,
-                )
-            direct.setdefault(e.bucket, []).append(e)
-            program.covered[e.name] = program.covered.get(e.name, 0) + target.numel()
-            program.copied_bytes += e.nbytes
-        device = self._kernel_device()
-        if in_place:
-            try:
-                program.gather = compile_gather(tuple(gathered), self.targets, self.target_shards, device)
-            except ValueError as err:
-                raise StepFailed(str(err), step=manifest.step) from None
-            program.covered = dict(program.gather.covered)
-            program.copied_bytes = program.gather.copied_bytes
-            return program
-        for b in manifest.buckets:
-            entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
-            if not entries:
-                continue
-            dtype = torch_dtype(b.dtype)
-            esize = DTYPE_BYTES[b.dtype]
-            bp = _BucketProgram(b.index, dtype, [], [])
-            if device is not None:
-                fast = [
-                    e for e in entries if fastcopy.eligible(self.targets[e.name], e.nbytes, e.offset, device)
-                ]
-                if len(fast) >= 2:  # for one entry a copy_ is one launch too, and a cheaper one
-                    bp.table = fastcopy.build(
-                        [(e.offset, self.targets[e.name], e.nbytes) for e in fast], device
-                    )
-                    taken = {id(e) for e in fast}
-                    entries = [e for e in entries if id(e) not in taken]
-            pos = 0
-            for e in entries:
-                start = e.offset // esize
-                if start > pos:
-                    bp.sizes.append(start - pos)  # alignment padding
-                target = self.targets[e.name]
-                contiguous = target.is_contiguous()
-                bp.copies.append(
-                    (
-                        len(bp.sizes),
-                        target.view(-1) if contiguous else target,
-                        None if contiguous else e.shape,
-                    )
-                )
-                bp.sizes.append(e.nbytes // esize)
-                pos = start + e.nbytes // esize
-            if pos < b.nbytes // esize:
-                bp.sizes.append(b.nbytes // esize - pos)
-            program.buckets[b.index] = bp
-        return program
-
-    def _plan_entry(self, e: PlacedEntry, view: torch.Tensor, target: torch.Tensor, plan: _CopyPlan) -> None:
-        tshard = self.target_shards.get(e.name)
-        if e.shard is None and tshard is None:
-            if tuple(target.shape) != e.shape:
-                raise StepFailed(
-                    f"{e.name}: trainer sent shape {list(e.shape)}, the parameter has "
-                    f"{list(target.shape)} (no shard boxes to reconcile them)"
-                )
-            plan.direct_dst.append(target)
-            plan.direct_src.append(view)
-            plan.covered[e.name] = plan.covered.get(e.name, 0) + target.numel()
-            plan.copied_bytes += e.nbytes
-            return
-        # Sharded: copy the intersection of what the trainer holds and what this parameter needs.
-        src_box = e.shard.box if e.shard is not None else Box.full(e.shape)
-        dst_box = tshard.box if tshard is not None else Box.full(tuple(target.shape))
-        common = src_box.intersect(dst_box)
-        if common is None:
-            return
-        src = view[common.relative_to(src_box).slices()]
-        dst = target[common.relative_to(dst_box).slices()]
-        if src_box == dst_box:
-            plan.direct_dst.append(dst)
-            plan.direct_src.append(src)
-        else:
-            dst.copy_(src)
-        plan.covered[e.name] = plan.covered.get(e.name, 0) + common.numel
-        plan.copied_bytes += common.numel * target.element_size()
 
     def _missing_boxes(self, name: str, manifest: Manifest) -> tuple[Box, ...]:
         tshard = self.target_shards.get(name)
@@ -797,22 +609,19 @@ class WeightReader:
         nbytes: int,
         *,
         result: str = "",
-        phase_seconds: object = None,
+        phase_seconds: Mapping[str, float] | None = None,
         error: object = "",
     ) -> StepEvent:
-        return StepEvent(
-            role="reader",
-            gen=manifest.gen,
-            step=manifest.step,
-            phase=phase,
+        source = EventSource("reader", self.settings.replica, self.settings.rank, self.uuid)
+        return source.event(
+            manifest.gen,
+            manifest.step,
+            phase,
             result=result,
             seconds=seconds,
-            phase_seconds=dict(phase_seconds or {}),
-            bytes=nbytes,
+            phase_seconds=phase_seconds,
+            nbytes=nbytes,
             handles=len(manifest.buckets),
-            replica=self.settings.replica,
-            rank=self.settings.rank,
-            gpu=self.uuid,
             weight_version=manifest.weight_version,
             error=str(error),
         )

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from colocate_runtime.colocated.config import ColocateConfig, ConfigError
+from colocate_runtime.colocated.exchange_seam import Exchange
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.liveness import host_id
 from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.colocated.preflight import PreflightSettings
 from colocate_runtime.colocated.preflight_reader import PreflightResponder
-from colocate_runtime.colocated.reader import Exchange, ReaderSettings, WeightReader
+from colocate_runtime.colocated.reader import ReaderSettings, WeightReader
 from colocate_runtime.colocated.transport import BucketExporter, BucketImporter
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
 from colocate_runtime.shards import TensorShard

@@ -38,7 +38,6 @@ from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated import checksum
 from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.events import TERMINATION_LOG, StepEvent, final_termination_message
 from colocate_runtime.colocated.inplace import (
     MIN_ADOPT_BYTES,
     InPlaceLayout,
@@ -79,6 +78,13 @@ from colocate_runtime.colocated.preflight_trainer import TrainerPreflight
 from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
 from colocate_runtime.colocated.views import dtype_name, entry_view
 from colocate_runtime.colocated.waits import Deadline
+from colocate_runtime.contract import env
+from colocate_runtime.contract.events import (
+    TERMINATION_LOG,
+    EventSource,
+    StepEvent,
+    final_termination_message,
+)
 from colocate_runtime.shards import TensorShard
 
 log = logging.getLogger(__name__)
@@ -90,9 +96,10 @@ class WriterSettings:
     namespace: str
     replica: int = 0
     rank: int = 0
-    bucket_bytes: int = 1024 << 20
-    step_timeout_s: float = 300.0
-    heartbeat_ttl_s: float = 10.0
+    # The table's defaults (contract/env.py), as a ColocateConfig's.
+    bucket_bytes: int = env.BUCKET_MB.default << 20
+    step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
+    heartbeat_ttl_s: float = float(env.HEARTBEAT_TTL_SECONDS.default)
     checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
     preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
@@ -142,6 +149,7 @@ class _Staged:
     entries: tuple[PlacedEntry, ...]
     buckets: list[LocalBucket]
     data: Callable[[str], torch.Tensor]  # an entry's data, for sampled checksums
+    kept: tuple[int, ...] = ()  # buckets the reader may keep mapped across steps (the trainer's own storage)
 
 
 class WeightWriter:
@@ -150,6 +158,7 @@ class WeightWriter:
         self.exporter = exporter
         self.settings = settings
         self.uuid = exporter.device_uuid()
+        self.source = EventSource("trainer", settings.replica, settings.rank, self.uuid)
         self.gen: int | None = None
         self.last_step: int | None = None
         self._parked: list[PendingStep] = []
@@ -217,15 +226,13 @@ class WeightWriter:
     def finish(self, *, ok: bool = True, error: str = "") -> None:
         """The last record of a training run (`final=true`): the operator's proof that training succeeded."""
         self._emit(
-            StepEvent(
-                role="trainer",
-                gen=self._gen(),
-                step=self.last_step or 0,
-                phase="final",
+            self.source.event(
+                self._gen(),
+                self.last_step or 0,
+                "final",
                 result="ok" if ok else "error",
                 final=True,
                 error=error,
-                **self._who(),
             )
         )
         path = self.settings.termination_log
@@ -271,9 +278,11 @@ class WeightWriter:
         *,
         shards: Mapping[str, TensorShard] | None = None,
         weight_version: str | None = None,
+        again: bool = False,
     ) -> PendingStep:
+        """`again`: `step` is the last published step, published once more (`republish`)."""
         gen = self._gen()
-        self._before_publish(step)
+        self._before_publish(step, again=again)
         t0 = time.perf_counter()
         shards = shards or {}
         specs = []
@@ -307,16 +316,26 @@ class WeightWriter:
         )
 
     def publish_in_place(
-        self, step: int, layout: InPlaceLayout, *, weight_version: str | None = None
+        self,
+        step: int,
+        layout: InPlaceLayout,
+        *,
+        weight_version: str | None = None,
+        again: bool = False,
+        keep_mapped: bool = False,
     ) -> PendingStep:
         """Publish one step straight from the trainer's storage (inplace.py): its adopted storages are
         exported as they are and only the rest is packed. The trainer must not write its parameters until
-        the step is freed (`wait_and_free` returned)."""
+        the step is freed (`wait_and_free` returned). `keep_mapped`: the reader may keep the adopted storages
+        mapped until a later manifest stops naming them (kept.py), which saves the open and the unmapping of
+        every step; only for a trainer whose parameters stay allocated where they are between steps (no
+        offload, no freeing: the memory stays mapped in the reader until then)."""
         gen = self._gen()
-        self._before_publish(step)
+        self._before_publish(step, again=again)
         t0 = time.perf_counter()
         buckets = layout.stage(self.exporter, f"g{gen}-s{step}")
-        staged = _Staged(layout.specs, layout.entries, buckets, layout.data)
+        kept = tuple(range(len(layout.adopted))) if keep_mapped else ()
+        staged = _Staged(layout.specs, layout.entries, buckets, layout.data, kept)
         return self._announce(gen, step, weight_version, staged, t0)
 
     def _announce(
@@ -352,6 +371,7 @@ class WeightWriter:
                 ),
                 entries=staged.entries,
                 checksums=sums,
+                kept=staged.kept,
             )
             run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
             # A large layout is stored once under its hash and named by the manifest (not 5 MB a step).
@@ -382,8 +402,22 @@ class WeightWriter:
         self._emit(self._event(pending, "published", seconds=t_pub - t0))
         return pending
 
-    def _before_publish(self, step: int) -> None:
-        if self.last_step is not None and step <= self.last_step:
+    def republish(self) -> int:
+        """Make the last published step publishable once more, for a restarted reader (repush.py): its keys
+        on this GPU are deleted (the new reader instance claims and acknowledges it afresh). Returns the step;
+        then `publish(step, ..., again=True)` or `publish_in_place(step, ..., again=True)` with the weights
+        the trainer holds now."""
+        if self.last_step is None:
+            raise ValueError("no step published yet: nothing to publish again")
+        self.store.clear_step(self._gen(), self.last_step, self.uuid)
+        with contextlib.suppress(ValueError):
+            self._finished_steps.remove(self.last_step)
+        return self.last_step
+
+    def _before_publish(self, step: int, *, again: bool = False) -> None:
+        if again and step != self.last_step:
+            raise ValueError(f"step {step} is not the last published step {self.last_step}: not again")
+        if not again and self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step {step} is not after the last published step {self.last_step}")
         if self.settings.preflight.enabled and not self.preflight_passed:
             self.preflight()  # raises rather than publish to a reader side that cannot open it
@@ -701,9 +735,6 @@ class WeightWriter:
             raise RuntimeError("WeightWriter.start() was not called")
         return self.gen
 
-    def _who(self) -> dict:
-        return {"replica": self.settings.replica, "rank": self.settings.rank, "gpu": self.uuid}
-
     def _event(
         self,
         pending: PendingStep,
@@ -714,19 +745,17 @@ class WeightWriter:
         phase_seconds: dict[str, float] | None = None,
         error: str = "",
     ) -> StepEvent:
-        return StepEvent(
-            role="trainer",
-            gen=pending.gen,
-            step=pending.step,
-            phase=phase,
+        return self.source.event(
+            pending.gen,
+            pending.step,
+            phase,
             result=result,
             seconds=seconds,
-            phase_seconds=dict(phase_seconds or {}),
-            bytes=pending.payload_bytes,
+            phase_seconds=phase_seconds,
+            nbytes=pending.payload_bytes,
             handles=pending.handles,
             weight_version=pending.weight_version,
             error=error,
-            **self._who(),
         )
 
     def _failed(self, pending: PendingStep, err: StepFailed) -> StepFailed:

@@ -36,10 +36,10 @@ from colocate_runtime.convert.registry import (
     model_spec,
     register,
 )
-from colocate_runtime.convert.spec import MLASpec, ModelSpec, MoESpec
+from colocate_runtime.convert.spec import MLASpec, ModelDims, MoESpec
 from colocate_runtime.convert.trainer import (
     BoundPiece,
-    ChunkPlan,
+    ModelChunkPlan,
     TrainerRankPlan,
     convert_trainer_rank,
     trainer_plan,
@@ -50,7 +50,6 @@ __all__ = [
     "Block",
     "BoundPiece",
     "CanonicalTensor",
-    "ChunkPlan",
     "ConvertError",
     "Group",
     "InferenceRankPlan",
@@ -60,7 +59,8 @@ __all__ = [
     "MegatronRank",
     "MissingTensorError",
     "MoESpec",
-    "ModelSpec",
+    "ModelChunkPlan",
+    "ModelDims",
     "Piece",
     "PipelineLayout",
     "Placement",

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from colocate_runtime.convert.layout import RankGroups
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, SGLangParam
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
 class Block(Protocol):
@@ -30,7 +30,7 @@ class Block(Protocol):
 class Architecture:
     name: str
     hf_model_types: tuple[str, ...]
-    spec_from_hf: Callable[[Mapping[str, Any]], ModelSpec]
-    first_stage: Callable[[ModelSpec], list[Block]]  # embedding: first pipeline chunk only
-    layer: Callable[[ModelSpec, int], list[Block]]  # decoder layer by global id
-    last_stage: Callable[[ModelSpec], list[Block]]  # final norm and output layer: last chunk only
+    spec_from_hf: Callable[[Mapping[str, Any]], ModelDims]
+    first_stage: Callable[[ModelDims], list[Block]]  # embedding: first pipeline chunk only
+    layer: Callable[[ModelDims, int], list[Block]]  # decoder layer by global id
+    last_stage: Callable[[ModelDims], list[Block]]  # final norm and output layer: last chunk only

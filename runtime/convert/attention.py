@@ -17,12 +17,12 @@ from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.layout import RankGroups, Role
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, Piece, SGLangParam, stacked_rows
 from colocate_runtime.convert.qkv import QKV_PARTS, query_group_part, query_group_view
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
 @dataclass(frozen=True)
 class GroupedQKV:
-    spec: ModelSpec
+    spec: ModelDims
     prefix: str  # canonical module, e.g. "model.layers.3.self_attn"
     fused: str  # SGLang parameter stem, e.g. "model.layers.3.self_attn.qkv_proj"
     megatron_stem: str = "self_attention.linear_qkv"
@@ -105,7 +105,7 @@ class AttentionNames:
     k_norm: str = "k_norm"
 
 
-def grouped_attention(spec: ModelSpec, layer: int, names: AttentionNames) -> list[Block]:
+def grouped_attention(spec: ModelDims, layer: int, names: AttentionNames) -> list[Block]:
     """GQA/MHA attention of one layer: fused QKV, output projection, optional bias and per-head q/k norms."""
     prefix = f"model.layers.{layer}.{names.module}"
     d, hidden = spec.head_dim, spec.hidden_size

@@ -20,7 +20,7 @@ from colocate_runtime.convert.lightning import lightning_attention
 from colocate_runtime.convert.mlp import GatedMLP
 from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router, shared_experts
 from colocate_runtime.convert.norms import layer_norms
-from colocate_runtime.convert.spec import ModelSpec, MoESpec
+from colocate_runtime.convert.spec import ModelDims, MoESpec
 
 SOFTMAX_ATTENTION = AttentionNames(
     module="attention",
@@ -31,7 +31,7 @@ SOFTMAX_ATTENTION = AttentionNames(
 )
 
 
-def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
+def spec_from_hf(config: Mapping[str, Any]) -> ModelDims:
     if config.get("norm_head"):
         # L2-normalising lm_head over the vocabulary needs every vocab shard at once; not a per-rank rule.
         raise UnsupportedLayoutError("bailing_moe: norm_head=True (normalised lm_head) is not supported")
@@ -53,7 +53,7 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
         expert_bias=bool(config.get("moe_router_enable_expert_bias", False)),
         router_dtype=optional_dtype(config.get("router_dtype")),
     )
-    return ModelSpec(
+    return ModelDims(
         architecture="bailing_moe",
         hidden_size=int(require(config, "hidden_size")),
         num_layers=layers,
@@ -73,11 +73,11 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def embedding(spec: ModelSpec) -> list[Block]:
+def embedding(spec: ModelDims) -> list[Block]:
     return input_embedding(spec, sglang_name="model.word_embeddings.weight")
 
 
-def layer(spec: ModelSpec, layer: int) -> list[Block]:
+def layer(spec: ModelDims, layer: int) -> list[Block]:
     moe = spec.require_moe()
     mlp = f"model.layers.{layer}.mlp"
     attention = (

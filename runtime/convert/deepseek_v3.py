@@ -13,10 +13,10 @@ from colocate_runtime.convert.mla import MultiLatentAttention
 from colocate_runtime.convert.mlp import GatedMLP
 from colocate_runtime.convert.moe import RoutedExperts, expert_bias, router, shared_experts
 from colocate_runtime.convert.norms import layer_norms
-from colocate_runtime.convert.spec import MLASpec, ModelSpec, MoESpec
+from colocate_runtime.convert.spec import MLASpec, ModelDims, MoESpec
 
 
-def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
+def spec_from_hf(config: Mapping[str, Any]) -> ModelDims:
     layers = int(require(config, "num_hidden_layers"))
     heads = int(require(config, "num_attention_heads"))
     first_dense = int(config.get("first_k_dense_replace", 0))
@@ -38,7 +38,7 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
         expert_bias=True,
         router_dtype=optional_dtype(config.get("router_dtype")),
     )
-    return ModelSpec(
+    return ModelDims(
         architecture="deepseek_v3",
         hidden_size=int(require(config, "hidden_size")),
         num_layers=layers,
@@ -54,7 +54,7 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def layer(spec: ModelSpec, layer: int) -> list[Block]:
+def layer(spec: ModelDims, layer: int) -> list[Block]:
     moe = spec.require_moe()
     prefix = f"model.layers.{layer}"
     mlp = f"{prefix}.mlp"

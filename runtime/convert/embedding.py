@@ -15,7 +15,7 @@ from colocate_runtime.convert.boxes import vocab_box
 from colocate_runtime.convert.direct import Direct
 from colocate_runtime.convert.layout import Group, RankGroups
 from colocate_runtime.convert.params import CanonicalTensor, Extract, MegatronParam, Piece, SGLangParam, plain
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 from colocate_runtime.shards import Box
 
 EMBED_TOKENS = "model.embed_tokens.weight"
@@ -76,12 +76,12 @@ class TiedOutputLayer:
         return []
 
 
-def input_embedding(spec: ModelSpec, sglang_name: str = EMBED_TOKENS) -> list[Block]:
+def input_embedding(spec: ModelDims, sglang_name: str = EMBED_TOKENS) -> list[Block]:
     tensor = CanonicalTensor(EMBED_TOKENS, (spec.vocab_size, spec.hidden_size), spec.dtype)
     return [VocabParallel(tensor, "embedding.word_embeddings.weight", sglang_name)]
 
 
-def output_head(spec: ModelSpec) -> list[Block]:
+def output_head(spec: ModelDims) -> list[Block]:
     """Final norm and lm_head (or the tied alias)."""
     norm = CanonicalTensor("model.norm.weight", (spec.hidden_size,), spec.dtype)
     blocks: list[Block] = [Direct(norm, ("decoder.final_layernorm.weight",), norm.name)]

@@ -20,13 +20,13 @@ from colocate_runtime.convert.errors import ConvertError, MissingTensorError, Sh
 from colocate_runtime.convert.layout import SGLangLayout
 from colocate_runtime.convert.params import Placement, SGLangParam
 from colocate_runtime.convert.registry import stage_blocks
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 from colocate_runtime.shards import RankShards, TensorShard
 
 
 @dataclass(frozen=True)
 class InferenceRankPlan:
-    spec: ModelSpec
+    spec: ModelDims
     layout: SGLangLayout
     tp_rank: int
     params: tuple[SGLangParam, ...]
@@ -103,7 +103,7 @@ class InferenceRankPlan:
         ]
 
 
-def inference_plan(spec: ModelSpec, layout: SGLangLayout, tp_rank: int) -> InferenceRankPlan:
+def inference_plan(spec: ModelDims, layout: SGLangLayout, tp_rank: int) -> InferenceRankPlan:
     """What SGLang TP rank `tp_rank` holds: its parameters and where each canonical box lands in them."""
     groups = layout.groups(spec, tp_rank)
     blocks = stage_blocks(spec, range(spec.num_layers), first=True, last=True)

@@ -13,7 +13,7 @@ from enum import Enum
 from itertools import product
 
 from colocate_runtime.convert.errors import UnsupportedLayoutError
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +182,7 @@ class MegatronLayout:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
-    def pipeline_for(self, spec: ModelSpec) -> PipelineLayout:
+    def pipeline_for(self, spec: ModelDims) -> PipelineLayout:
         pipeline = self.pipeline or PipelineLayout.even(spec.num_layers)
         if pipeline.num_layers != spec.num_layers:
             raise UnsupportedLayoutError(
@@ -198,7 +198,7 @@ class MegatronLayout:
         ):
             yield MegatronRank(tp_rank, pp_rank, ep_rank, etp_rank)
 
-    def groups(self, spec: ModelSpec, rank: MegatronRank) -> RankGroups:
+    def groups(self, spec: ModelDims, rank: MegatronRank) -> RankGroups:
         tp = Group(self.tp, rank.tp_rank)
         rows = round_up(spec.vocab_size, self.vocab_divisor * self.tp)
         return RankGroups(
@@ -238,7 +238,7 @@ class SGLangLayout:
     def ranks(self) -> range:
         return range(self.tp)
 
-    def groups(self, spec: ModelSpec, tp_rank: int) -> RankGroups:
+    def groups(self, spec: ModelDims, tp_rank: int) -> RankGroups:
         tp = Group(self.tp, tp_rank)
         attn_size = self.tp // self.dp_attention
         attention = Group(attn_size, tp_rank % attn_size)

@@ -14,10 +14,10 @@ from colocate_runtime.convert.attention import GroupedQKV
 from colocate_runtime.convert.direct import Direct
 from colocate_runtime.convert.layout import Role
 from colocate_runtime.convert.params import CanonicalTensor
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
-def lightning_attention(spec: ModelSpec, layer: int) -> list[Block]:
+def lightning_attention(spec: ModelDims, layer: int) -> list[Block]:
     prefix = f"model.layers.{layer}.attention"
     d, hidden, width = spec.head_dim, spec.hidden_size, spec.num_heads * spec.head_dim
     gate = CanonicalTensor(f"{prefix}.g_proj.weight", (width, hidden), spec.dtype)

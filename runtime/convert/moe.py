@@ -16,11 +16,11 @@ from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.layout import Group, RankGroups
 from colocate_runtime.convert.mlp import GatedMLP, first_half, second_half
 from colocate_runtime.convert.params import CanonicalTensor, MegatronParam, Piece, Placement, SGLangParam
-from colocate_runtime.convert.spec import ModelSpec, MoESpec
+from colocate_runtime.convert.spec import ModelDims, MoESpec
 from colocate_runtime.shards import TensorShard
 
 
-def router(spec: ModelSpec, prefix: str) -> Direct:
+def router(spec: ModelDims, prefix: str) -> Direct:
     """The routing weight travels in the configured router dtype (SGLang may keep it in fp32)."""
     shape = (spec.require_moe().num_experts, spec.hidden_size)
     tensor = CanonicalTensor(f"{prefix}.gate.weight", shape, spec.router_dtype)
@@ -33,7 +33,7 @@ def expert_bias(moe: MoESpec, name: str) -> Direct:
     return Direct(CanonicalTensor(name, (moe.num_experts,), "float32"), ("mlp.router.expert_bias",), name)
 
 
-def shared_experts(spec: ModelSpec, moe: MoESpec, mlp: str) -> list[GatedMLP]:
+def shared_experts(spec: ModelDims, moe: MoESpec, mlp: str) -> list[GatedMLP]:
     """The always-on experts beside the routed ones (DeepSeek-V3, Bailing): a gated MLP, when present."""
     if not moe.shared_intermediate_size:
         return []

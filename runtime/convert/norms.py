@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from colocate_runtime.convert.direct import Direct
 from colocate_runtime.convert.params import CanonicalTensor
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
-def layer_norms(spec: ModelSpec, layer: int) -> list[Direct]:
+def layer_norms(spec: ModelDims, layer: int) -> list[Direct]:
     prefix = f"model.layers.{layer}"
     pre = CanonicalTensor(f"{prefix}.input_layernorm.weight", (spec.hidden_size,), spec.dtype)
     post = CanonicalTensor(f"{prefix}.post_attention_layernorm.weight", (spec.hidden_size,), spec.dtype)

@@ -11,13 +11,13 @@ from colocate_runtime.convert.embedding import input_embedding, output_head
 from colocate_runtime.convert.hf_config import head_dim, model_dtype, require
 from colocate_runtime.convert.mlp import GatedMLP
 from colocate_runtime.convert.norms import layer_norms
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 
-def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
+def spec_from_hf(config: Mapping[str, Any]) -> ModelDims:
     heads = int(require(config, "num_attention_heads"))
     bias = bool(config.get("attention_bias", False))
-    return ModelSpec(
+    return ModelDims(
         architecture="qwen3",
         hidden_size=int(require(config, "hidden_size")),
         num_layers=int(require(config, "num_hidden_layers")),
@@ -34,11 +34,11 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     )
 
 
-def dense_mlp(spec: ModelSpec, layer: int) -> GatedMLP:
+def dense_mlp(spec: ModelDims, layer: int) -> GatedMLP:
     return GatedMLP(f"model.layers.{layer}.mlp", "mlp", spec.hidden_size, spec.intermediate_size, spec.dtype)
 
 
-def layer(spec: ModelSpec, layer: int) -> list[Block]:
+def layer(spec: ModelDims, layer: int) -> list[Block]:
     return [
         *layer_norms(spec, layer),
         *grouped_attention(spec, layer, AttentionNames()),

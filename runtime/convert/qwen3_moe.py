@@ -13,10 +13,10 @@ from colocate_runtime.convert.embedding import input_embedding, output_head
 from colocate_runtime.convert.hf_config import optional_dtype, require
 from colocate_runtime.convert.moe import RoutedExperts, router
 from colocate_runtime.convert.norms import layer_norms
-from colocate_runtime.convert.spec import ModelSpec, MoESpec
+from colocate_runtime.convert.spec import ModelDims, MoESpec
 
 
-def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
+def spec_from_hf(config: Mapping[str, Any]) -> ModelDims:
     dense = qwen3.spec_from_hf({"intermediate_size": 0, **config})
     layers = int(require(config, "num_hidden_layers"))
     step = int(config.get("decoder_sparse_step", 1))
@@ -30,7 +30,7 @@ def spec_from_hf(config: Mapping[str, Any]) -> ModelSpec:
     return replace(dense, architecture="qwen3_moe", moe=moe)
 
 
-def layer(spec: ModelSpec, layer: int) -> list[Block]:
+def layer(spec: ModelDims, layer: int) -> list[Block]:
     blocks: list[Block] = [*layer_norms(spec, layer), *grouped_attention(spec, layer, AttentionNames())]
     if not spec.is_moe(layer):
         return [*blocks, qwen3.dense_mlp(spec, layer)]

@@ -11,7 +11,7 @@ from colocate_runtime.convert.architecture import Architecture, Block
 from colocate_runtime.convert.errors import ConvertError, UnknownArchitectureError
 from colocate_runtime.convert.hf_config import dtype_name
 from colocate_runtime.convert.params import CanonicalTensor
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 
 _REGISTRY: dict[str, Architecture] = {}
 
@@ -43,8 +43,8 @@ def architecture_for_hf(config: Mapping[str, Any]) -> Architecture:
 
 def model_spec(
     config: Mapping[str, Any], *, dtype: str | None = None, router_dtype: str | None = None
-) -> ModelSpec:
-    """A `ModelSpec` from a Hugging Face config dict; `dtype` and `router_dtype` override what it says."""
+) -> ModelDims:
+    """A `ModelDims` from a Hugging Face config dict; `dtype` and `router_dtype` override what it says."""
     spec = architecture_for_hf(config).spec_from_hf(config)
     if dtype is not None:
         spec = replace(spec, dtype=dtype_name(dtype))
@@ -54,7 +54,7 @@ def model_spec(
 
 
 def stage_blocks(
-    spec: ModelSpec, layers: Iterable[int], first: bool, last: bool
+    spec: ModelDims, layers: Iterable[int], first: bool, last: bool
 ) -> list[tuple[int | None, Block]]:
     """The blocks of a pipeline chunk with the global layer each belongs to (None: not a decoder layer)."""
     arch = architecture(spec.architecture)
@@ -65,7 +65,7 @@ def stage_blocks(
     return blocks
 
 
-def canonical_tensors(spec: ModelSpec) -> dict[str, CanonicalTensor]:
+def canonical_tensors(spec: ModelDims) -> dict[str, CanonicalTensor]:
     """Every canonical tensor of the model, by name."""
     catalogue: dict[str, CanonicalTensor] = {}
     for _, block in stage_blocks(spec, range(spec.num_layers), first=True, last=True):

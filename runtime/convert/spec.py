@@ -1,6 +1,6 @@
 """The model dimensions the rules need, independent of any parallel layout.
 
-Each architecture module reads its Hugging Face config into a `ModelSpec`; which layers are MoE or use
+Each architecture module reads its Hugging Face config into a `ModelDims`; which layers are MoE or use
 linear attention is decided there once, so the rules below only look at numbers.
 """
 
@@ -44,7 +44,7 @@ class MLASpec:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelSpec:
+class ModelDims:
     architecture: str
     hidden_size: int
     num_layers: int

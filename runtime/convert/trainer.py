@@ -21,7 +21,7 @@ from colocate_runtime.convert.errors import (
 from colocate_runtime.convert.layout import MegatronLayout, MegatronRank
 from colocate_runtime.convert.params import MegatronParam, Piece
 from colocate_runtime.convert.registry import stage_blocks
-from colocate_runtime.convert.spec import ModelSpec
+from colocate_runtime.convert.spec import ModelDims
 from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.shards import RankShards, TensorShard
 
@@ -29,7 +29,7 @@ ConvertedPiece = tuple[TensorShard, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ChunkPlan:
+class ModelChunkPlan:
     """One model chunk (virtual pipeline stage) of a trainer rank."""
 
     vp_stage: int
@@ -39,10 +39,10 @@ class ChunkPlan:
 
 @dataclass(frozen=True)
 class TrainerRankPlan:
-    spec: ModelSpec
+    spec: ModelDims
     layout: MegatronLayout
     rank: MegatronRank
-    chunks: tuple[ChunkPlan, ...]
+    chunks: tuple[ModelChunkPlan, ...]
 
     def shards(self) -> list[TensorShard]:
         return [piece.shard for chunk in self.chunks for param in chunk.params for piece in param.pieces]
@@ -87,7 +87,9 @@ class TrainerRankPlan:
             )
         return chunks
 
-    def _convert_chunk(self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]) -> list[ConvertedPiece]:
+    def _convert_chunk(
+        self, plan: ModelChunkPlan, tensors: Mapping[str, torch.Tensor]
+    ) -> list[ConvertedPiece]:
         # The hot loop of a weight sync (tens of thousands of tensors): no work beyond the extract and a cast.
         out = []
         for tensor, param in self._choose(plan, tensors):
@@ -98,7 +100,7 @@ class TrainerRankPlan:
         return out
 
     def _choose(
-        self, plan: ChunkPlan, tensors: Mapping[str, torch.Tensor]
+        self, plan: ModelChunkPlan, tensors: Mapping[str, torch.Tensor]
     ) -> list[tuple[torch.Tensor, MegatronParam]]:
         """The local tensor of each parameter; a missing, unknown or misshapen one is an error."""
         where = f"trainer rank {self.rank} chunk {plan.vp_stage}"
@@ -165,7 +167,7 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) -> TrainerRankPlan:
+def trainer_plan(spec: ModelDims, layout: MegatronLayout, rank: MegatronRank) -> TrainerRankPlan:
     """What trainer rank `rank` holds, as canonical boxes (no tensors needed)."""
     pipeline = layout.pipeline_for(spec)
     groups = layout.groups(spec, rank)
@@ -181,7 +183,7 @@ def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) ->
             for layer, block in blocks
             for param in block.megatron(groups, "" if layer is None else f"decoder.layers.{local[layer]}.")
         )
-        chunks.append(ChunkPlan(vp, layers, params))
+        chunks.append(ModelChunkPlan(vp, layers, params))
     plan = TrainerRankPlan(spec, layout, rank, tuple(chunks))
     names = [shard.name for shard in plan.shards()]
     if len(set(names)) != len(names):  # the transfer plan addresses a rank's piece by name alone
@@ -190,7 +192,7 @@ def trainer_plan(spec: ModelSpec, layout: MegatronLayout, rank: MegatronRank) ->
 
 
 def convert_trainer_rank(
-    spec: ModelSpec,
+    spec: ModelDims,
     layout: MegatronLayout,
     rank: MegatronRank,
     tensors: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],

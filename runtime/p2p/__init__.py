@@ -13,7 +13,7 @@ from colocate_runtime.p2p.chunks import ChunkPlan, RankSchedule, assign_chunks, 
 from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PeerTimeoutError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box, split_extent
-from colocate_runtime.p2p.plan import Plan, PlanError, Transfer, build_plan
+from colocate_runtime.p2p.plan import PlanError, Transfer, TransferPlan, build_plan
 
 if TYPE_CHECKING:
     from colocate_runtime.p2p.executor import P2PExchange, RunReport, TraceEvent
@@ -26,13 +26,13 @@ __all__ = [
     "P2PExchange",
     "ParamShards",
     "PeerTimeoutError",
-    "Plan",
     "PlanError",
     "PlanMismatchError",
     "RankSchedule",
     "RunReport",
     "TraceEvent",
     "Transfer",
+    "TransferPlan",
     "assign_chunks",
     "build_plan",
     "rank_schedule",

@@ -22,7 +22,7 @@ SOURCE, TARGET = "source", "target"
 
 
 @dataclass(frozen=True, slots=True)
-class Piece:
+class WirePiece:
     """One slice of a message on this rank: which local tensor, which box of it, where in the message."""
 
     name: str
@@ -37,7 +37,7 @@ class Wire:
     """One message as this rank posts it."""
 
     nbytes: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[WirePiece, ...]
     movable: bool  # one dense slice needing no cast: sent from / received into the tensor itself
 
 
@@ -58,7 +58,7 @@ def resolve(schedule: RankSchedule, senders: Layout, receivers: Layout) -> tuple
         for s in message.slices:
             t = s.transfer
             box = t.src_box if sending else t.dst_box
-            pieces.append(Piece(t.name, box, s.offset, torch_dtype(t.dst_dtype), t.region.lengths))
+            pieces.append(WirePiece(t.name, box, s.offset, torch_dtype(t.dst_dtype), t.region.lengths))
         only = message.slices[0].transfer
         shape = (send_shapes if sending else recv_shapes)[only.name]
         movable = (

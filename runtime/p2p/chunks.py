@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.peers import meeting_round
-from colocate_runtime.p2p.plan import Plan, PlanError, Transfer
+from colocate_runtime.p2p.plan import PlanError, Transfer, TransferPlan
 from colocate_runtime.shards import Box, dtype_bytes, stable_hash
 
 # Every slice starts at a multiple of this in a packed buffer: enough for any dtype view and for vectorised
@@ -104,7 +104,7 @@ class ChunkPlan:
         )
 
 
-def assign_chunks(plan: Plan, capacity: int) -> ChunkPlan:
+def assign_chunks(plan: TransferPlan, capacity: int) -> ChunkPlan:
     """First-fit of the pieces into chunks, taking the pairs in turn (piece k of every pair before piece
     k + 1 of any) so that each chunk mixes all peers and no pair's traffic piles up at the end."""
     capacity = capacity // ALIGN * ALIGN
@@ -295,7 +295,7 @@ def staged_peak(
 
 
 def plan_chunks(
-    plan: Plan,
+    plan: TransferPlan,
     budget: int,
     depth: int,
     shards: Mapping[tuple[str, int, bool], tuple[int, ...]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from colocate_runtime.p2p.chunks import ALIGN, DIRECT_MIN_BYTES
 
@@ -16,6 +16,18 @@ ENV_DIRECT_MIN_MB = "COLOCATE_P2P_DIRECT_MIN_MB"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorBenchSwitches:
+    """Benchmark-only (bench/p2p_bench.py): a switch brings back a way the executor no longer works, so a
+    measurement can compare against it. `from_env` reads none of them.
+
+    one_batch_per_peer: all messages with one peer in one chunk go in one batch_isend_irecv; False posts
+        message k of both directions as its own batch (both ends must agree).
+    """
+
+    one_batch_per_peer: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +43,7 @@ class ExecutorConfig:
     trace: record (and log at INFO) when each peer batch is enqueued and drained.
     direct_min_bytes: slices at least this big travel as their own message and move in place when their
         tensor is dense (and, sending, already in the wire dtype); smaller ones are packed per peer.
-    one_batch_per_peer: all messages with one peer in one chunk go in one batch_isend_irecv; False posts
-        message k of both directions as its own batch (for measurements; both ends must agree).
+    bench: switches only benchmarks change (`ExecutorBenchSwitches`).
     Ranks agree on the smallest budget and direct_min_bytes and the largest pipeline_depth configured.
     """
 
@@ -41,7 +52,7 @@ class ExecutorConfig:
     timeout_s: float = 120.0
     trace: bool = False
     direct_min_bytes: int = DIRECT_MIN_BYTES
-    one_batch_per_peer: bool = True
+    bench: ExecutorBenchSwitches = field(default_factory=ExecutorBenchSwitches)
 
     def __post_init__(self) -> None:
         if self.pipeline_depth < 1:

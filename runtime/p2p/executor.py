@@ -9,6 +9,15 @@ every chunk and every round in the same order, empty ones included, so no rank l
 Everything that can fail locally (plan, tensor shapes, dtypes) is checked before the first byte moves, and
 the outcome is agreed with one all-reduce, so a bad rank makes every rank raise instead of leaving its peers
 waiting. Waits poll with a deadline: a stuck peer becomes a `PeerTimeoutError` naming it.
+
+Targets change only after that vote: the local copies and every receive, in place or staged, are posted
+after it (the first chunk packed while it is on its way writes only the rank's own staging), so a run that
+fails the vote leaves every target as it was. A peer lost after the vote leaves targets partly written
+either way: through staging, the chunks unpacked before the failure are written and later ones are not; a
+message received in place (program.py) may in addition leave its own region half written, since it lands
+while on the wire. Neither is a usable set of weights: the run raises, and the caller must not take the
+targets for any version (the colocated reader fails the step and says so in its ACK; the next step that
+succeeds writes every target byte again).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,8 +39,8 @@ from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.errors import P2PError, PlanMismatchError
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.p2p.plan import (
-    Plan,
     PlanError,
+    TransferPlan,
     build_plan,
     describe_shards,
     fingerprint,
@@ -74,6 +83,11 @@ class RunReport:
     bytes_received: int
     bytes_local: int  # copied between this rank's own source and target shards
     staging_bytes: int  # the arena: the most staging this rank held at any time
+    # bytes_received split by how they landed: straight into the targets, or staged and then unpacked
+    received_in_place: int
+    received_staged: int
+    sent_in_place: int  # bytes_sent split the same way: from the sources themselves, or packed first
+    sent_staged: int
     seconds: float
     trace: tuple[TraceEvent, ...] = ()
 
@@ -84,6 +98,20 @@ class _Prepared:
 
     step: Step
     groups: list[list[dist.P2POp]]
+
+
+@dataclass(slots=True)
+class _Run:
+    """One run's state, shared by the chunk loop's steps: where data comes from and goes, what is posted and
+    not yet confirmed, and the trace."""
+
+    sources: Mapping[str, torch.Tensor]
+    targets: Mapping[str, torch.Tensor]
+    n_chunks: int
+    start: float  # perf_counter at the run's start: trace times are relative to it
+    trace: list[TraceEvent]
+    # Drained on CUDA but not yet waited for: (chunk, its batches, the launches queued behind them).
+    unconfirmed: deque[tuple[int, list[_Posted], int]] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -106,7 +134,7 @@ class P2PExchange:
         *,
         senders: Layout,
         receivers: Layout,
-        plan: Plan,
+        plan: TransferPlan,
         chunk_plan: ChunkPlan,
         schedule: RankSchedule,
         group: dist.ProcessGroup | None,
@@ -245,7 +273,9 @@ class P2PExchange:
     ) -> RunReport:
         """Collective: move this rank's `sources` (its sender shards, by name) into every receiver's `targets`
         (its receiver shards, by name). Tensors must have their shard's shape, dtype and this exchange's
-        device; they may be non-contiguous views. Returns after the data is in place.
+        device; they may be non-contiguous views. Returns after the data is in place. Targets are written
+        only once every rank has voted to start; if the run raises after that, they may be partly written
+        (the module docstring says how).
 
         `local=False` skips the plan's local transfers (sender and receiver both this rank), for a caller that
         has already copied those elements itself (the colocated reader); tensors only they need may then be
@@ -280,9 +310,9 @@ class P2PExchange:
                 raise error
             assert bound is not None
             work = list(program.chunks) + [() for _ in range(len(program.chunks), n_chunks)]
-            trace: list[TraceEvent] = []
+            state = _Run(bound.tensors(SOURCE), bound.tensors(TARGET), len(work), start, [])
             try:
-                self._exchange(work, bound, trace, start, local, program.depth, first)
+                self._exchange(work, bound, state, local, program.depth, first)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
             except BaseException:
@@ -299,8 +329,12 @@ class P2PExchange:
             bytes_received=self._bytes_received,
             bytes_local=self._bytes_local if local else 0,
             staging_bytes=program.arena.nbytes,
+            received_in_place=program.in_place[TARGET],
+            received_staged=program.staged[TARGET],
+            sent_in_place=program.in_place[SOURCE],
+            sent_staged=program.staged[SOURCE],
             seconds=time.perf_counter() - start,
-            trace=tuple(trace),
+            trace=tuple(state.trace),
         )
 
     def abort(self) -> None:
@@ -386,8 +420,7 @@ class P2PExchange:
         self,
         work: list[tuple[Step, ...]],
         bound: LocalTensors,
-        trace: list[TraceEvent],
-        start: float,
+        run: _Run,
         local: bool,
         depth: int,
         first: list[_Prepared] | None = None,
@@ -400,26 +433,23 @@ class P2PExchange:
         The local copies go first: queued behind a first chunk whose peer was stuck, a copy blocked the
         host inside the launch (seen on H200; probably CUDA's lazy loading of a kernel used for the first
         time), where no deadline can fire."""
-        sources, targets = bound.tensors(SOURCE), bound.tensors(TARGET)
         in_flight: deque[tuple[int, list[_Posted]]] = deque()
-        unconfirmed: deque[tuple[int, list[_Posted], int]] = deque()
-        n = len(work)
         keep = 0 if self.config.trace else _RUN_AHEAD_CHUNKS
         if local:
-            self._copy_local(sources, targets)
+            self._copy_local(run.sources, run.targets)
         for index, chunk in enumerate(work):
-            self._confirm(unconfirmed, keep, n, trace, start)
+            self._confirm(run, keep)
             if index == 0 and first is not None:
                 prepared = first  # prepared and packed while the start vote was on its way
             else:
                 prepared = self._prepare(index, chunk, bound)
-                self._pack(prepared, sources)
-            in_flight.append((index, self._post(index, prepared, trace, start)))
+                self._pack(prepared, run.sources)
+            in_flight.append((index, self._post(run, index, prepared)))
             if len(in_flight) >= depth:
-                self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
+                self._drain(run, *in_flight.popleft())
         while in_flight:
-            self._drain(*in_flight.popleft(), targets, unconfirmed, n, trace, start)
-        self._confirm(unconfirmed, 0, n, trace, start)
+            self._drain(run, *in_flight.popleft())
+        self._confirm(run, 0)
 
     def _copy_local(self, sources: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
         copies = self._local_copies
@@ -438,7 +468,7 @@ class P2PExchange:
             recv_ops = [
                 self._p2p(dist.irecv, buffer(m, targets), peer, index, k) for k, m in enumerate(step.recvs)
             ]
-            if self.config.one_batch_per_peer:
+            if self.config.bench.one_batch_per_peer:
                 groups = [send_ops + recv_ops]
             else:
                 # Message k of each direction together: still symmetric between the two ends, so just as
@@ -454,14 +484,12 @@ class P2PExchange:
         parts = [part for p in prepared for m in p.step.sends for part in m.parts]
         copy_all([part.staging for part in parts], [region(sources, part.name, part.box) for part in parts])
 
-    def _post(
-        self, index: int, prepared: list[_Prepared], trace: list[TraceEvent], start: float
-    ) -> list[_Posted]:
+    def _post(self, run: _Run, index: int, prepared: list[_Prepared]) -> list[_Posted]:
         posted = []
         for p in prepared:
             works = [w for g in p.groups for w in dist.batch_isend_irecv(g) if w is not None]
             posted.append(_Posted(p.step, works))
-            self._trace(trace, start, index, p.step.work, "enqueued")
+            self._trace(run, index, p.step.work, "enqueued")
         return posted
 
     def _p2p(self, kind: Callable, buffer: torch.Tensor, peer: int, chunk: int, k: int) -> dist.P2POp:
@@ -469,48 +497,33 @@ class P2PExchange:
         tag = (chunk * _TAGS_PER_CHUNK + k) % _TAG_LIMIT
         return dist.P2POp(kind, buffer, group=self.group, group_peer=peer, tag=tag)
 
-    def _drain(
-        self,
-        index: int,
-        posted: list[_Posted],
-        targets: Mapping[str, torch.Tensor],
-        unconfirmed: deque[tuple[int, list[_Posted], int]],
-        n_chunks: int,
-        trace: list[TraceEvent],
-        start: float,
-    ) -> None:
+    def _drain(self, run: _Run, index: int, posted: list[_Posted]) -> None:
         launches = 0
         for p in posted:
             if self._polls:
                 for w in p.works:
                     w.wait()  # NCCL: the current stream waits for the wire; the host goes on
             else:
-                self._await(p, index, n_chunks)
-                self._trace(trace, start, index, p.work, "drained")
+                self._await(p, index, run.n_chunks)
+                self._trace(run, index, p.work, "drained")
             parts = [part for m in p.step.recvs for part in m.parts]
-            dst = [region(targets, part.name, part.box) for part in parts]
+            dst = [region(run.targets, part.name, part.box) for part in parts]
             copy_all(dst, [part.staging for part in parts])
             launches += len(p.works) + p.step.copies
         if self._polls:
-            unconfirmed.append((index, posted, launches))
+            run.unconfirmed.append((index, posted, launches))
 
-    def _confirm(
-        self,
-        unconfirmed: deque[tuple[int, list[_Posted], int]],
-        keep: int,
-        n_chunks: int,
-        trace: list[TraceEvent],
-        start: float,
-    ) -> None:
+    def _confirm(self, run: _Run, keep: int) -> None:
         """Wait (with the deadline) for the oldest chunks until at most `keep` stay unconfirmed and the
         work queued behind them is small enough that a stuck peer cannot block the host in a launch."""
+        unconfirmed = run.unconfirmed
         while unconfirmed and (
             len(unconfirmed) > keep or sum(n for _, _, n in unconfirmed) > _MAX_QUEUED_LAUNCHES
         ):
             index, posted, _ = unconfirmed.popleft()
             for p in posted:
-                self._await(p, index, n_chunks)
-                self._trace(trace, start, index, p.work, "drained")
+                self._await(p, index, run.n_chunks)
+                self._trace(run, index, p.work, "drained")
 
     def _await(self, posted: _Posted, chunk: int, n_chunks: int) -> None:
         batch = posted.work.batch
@@ -520,7 +533,7 @@ class P2PExchange:
         )
         self._deadlines.wait_for_peer(posted.works, batch.peer, where, chunk=chunk, round_=batch.round)
 
-    def _trace(self, trace: list[TraceEvent], start: float, chunk: int, b: BatchWork, event: str) -> None:
+    def _trace(self, run: _Run, chunk: int, b: BatchWork, event: str) -> None:
         if not self.config.trace:
             return
         batch = b.batch
@@ -531,9 +544,9 @@ class P2PExchange:
             event,
             batch.send_bytes,
             batch.recv_bytes,
-            time.perf_counter() - start,
+            time.perf_counter() - run.start,
         )
-        trace.append(item)
+        run.trace.append(item)
         log.info(
             "p2p rank %d chunk %d round %d peer %d %s send=%dB recv=%dB t=%.6fs",
             self.rank,
@@ -586,7 +599,7 @@ def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
 def _plan_difference(
     senders: Layout,
     receivers: Layout,
-    plan: Plan,
+    plan: TransferPlan,
     group: dist.ProcessGroup | None,
     device: torch.device,
     world: int,

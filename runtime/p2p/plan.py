@@ -1,10 +1,10 @@
 """The transfer plan: which rank sends which region of which parameter to whom.
 
-Pure and deterministic: every rank computes the same `Plan` from the same two layouts, and ranks compare it by
-hash before moving a byte. Each non-empty intersection of a receiver shard with a sender shard is one
-`Transfer`. Replicated sender shards (data-parallel copies, replicated norms) are resolved here: a receiver
-that holds a replica itself copies locally, otherwise the least-loaded holder sends, so replicas share the
-work evenly and the choice does not depend on the world size being a power of two.
+Pure and deterministic: every rank computes the same `TransferPlan` from the same two layouts, and ranks
+compare it by hash before moving a byte. Each non-empty intersection of a receiver shard with a sender shard
+is one `Transfer`. Replicated sender shards (data-parallel copies, replicated norms) are resolved here: a
+receiver that holds a replica itself copies locally, otherwise the least-loaded holder sends, so replicas
+share the work evenly and the choice does not depend on the world size being a power of two.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _shift(box: Box, origin: tuple[int, ...]) -> Box:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class TransferPlan:
     """Every transfer of one reshard, sorted by (src, dst, name, region): the order in which the two ends
     of each (src, dst) pair enumerate their slices, so they agree on buffer layouts without talking."""
 
@@ -132,10 +132,12 @@ class Plan:
         }
 
     @staticmethod
-    def from_json(data: Mapping) -> Plan:
+    def from_json(data: Mapping) -> TransferPlan:
         if data.get("schema") != PLAN_SCHEMA:
             raise PlanError(f"plan schema {data.get('schema')!r} is not {PLAN_SCHEMA}")
-        return Plan(tuple(Transfer.from_json(t) for t in data["transfers"]), int(data["min_world_size"]))
+        return TransferPlan(
+            tuple(Transfer.from_json(t) for t in data["transfers"]), int(data["min_world_size"])
+        )
 
     def hash(self) -> str:
         return stable_hash(self.to_json())
@@ -165,7 +167,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def build_plan(senders: Layout, receivers: Layout) -> Plan:
+def build_plan(senders: Layout, receivers: Layout) -> TransferPlan:
     """The plan that fills every receiver shard from the sender shards, each element exactly once.
 
     Raises `PlanError` naming the parameter when a receiver parameter has no sender, the global shapes differ,
@@ -206,7 +208,7 @@ def build_plan(senders: Layout, receivers: Layout) -> Plan:
             if covered != box.numel:
                 raise PlanError(_gap_message(recv.name, rank, box, [p for p, _ in pieces], covered))
     transfers.sort(key=Transfer.sort_key)
-    return Plan(tuple(transfers), modulus)
+    return TransferPlan(tuple(transfers), modulus)
 
 
 def _check_compatible(send: ParamShards, recv: ParamShards) -> None:
@@ -300,7 +302,7 @@ _PARTS = ("sender shards", "receiver shards", "transfers")
 _ABSENT = "-"
 
 
-def fingerprint(senders: Layout, receivers: Layout, plan: Plan) -> dict[str, list[str]]:
+def fingerprint(senders: Layout, receivers: Layout, plan: TransferPlan) -> dict[str, list[str]]:
     """Per parameter (every name either side describes): short digests of its sender shards, its receiver
     shards and its transfers. Ranks whose plan hashes differ exchange these to find what differs
     (`first_difference`); plain JSON-able data."""

@@ -5,6 +5,13 @@ exchange and layout of the local tensors: which messages move in place and which
 every staging window and typed view of it, and which pieces are whole tensors. A run then only looks the
 caller's tensors up by name, cuts the few views that are not whole tensors, and launches copies and messages.
 
+In place: a message of one piece whose region is one dense run of a contiguous local tensor (whole trailing
+dimensions, e.g. a row range of a row-major parameter) and needs no cast is posted on a view of that tensor,
+so a receive lands straight in the target (no staging bytes, no unpack copy) and a send leaves from the
+source. Everything else goes through staging: several slices packed into one message (those below
+`direct_min_bytes`), strided regions, and casts (the sender casts, so a receiver's wire dtype is always its
+own). `in_place` and `staged` count each side's payload bytes both ways, for the run's report.
+
 The program holds no caller tensor: sources and targets may be freed or remapped between runs (CUDA IPC
 buffers are closed after every step), so views of them are made per run. It keeps only views of its own
 staging arena, whose memory is released between runs (the storage shrinks to nothing, views stay valid).
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from colocate_runtime.bits import foreach_copy_bits
-from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Piece, Wire
+from colocate_runtime.p2p.binding import SOURCE, TARGET, BatchWork, LocalTensors, Wire, WirePiece
 from colocate_runtime.p2p.chunks import aligned
 from colocate_runtime.p2p.plan import Transfer
 from colocate_runtime.p2p.staging import box_view, typed_view
@@ -109,6 +116,10 @@ class Program:
         self.depth = depth
         self.arena = Arena([max(staged[s::depth], default=0) for s in range(depth)], device)
         self.chunks: list[tuple[Step, ...]] = []
+        # Payload bytes per side, by whether their message moves in place or through staging: decided here,
+        # once per layout of the local tensors, and reported by every run.
+        self.in_place = {SOURCE: 0, TARGET: 0}
+        self.staged = {SOURCE: 0, TARGET: 0}
         for index, chunk in enumerate(work):
             slot = self.arena.slots[index % depth]
             offset = 0
@@ -120,7 +131,9 @@ class Program:
                     for wire in wires:
                         if local.in_place(kind, wire):
                             out.append(_in_place(wire, shapes[kind]))
+                            self.in_place[kind] += _payload(wire)
                             continue
+                        self.staged[kind] += _payload(wire)
                         window = slot[offset : offset + wire.nbytes]
                         offset += aligned(wire.nbytes)
                         parts = tuple(_part(window, piece, shapes[kind]) for piece in wire.pieces)
@@ -180,6 +193,11 @@ def _staged_bytes(chunk: tuple[BatchWork, ...], local: LocalTensors) -> int:
     return total
 
 
+def _payload(wire: Wire) -> int:
+    """A message's bytes without the alignment padding between its pieces."""
+    return sum(p.box.numel * p.dtype.itemsize for p in wire.pieces)
+
+
 def _box_or_whole(box: Box, shape: tuple[int, ...]) -> Box | None:
     return None if box.lengths == tuple(shape) else box
 
@@ -197,6 +215,6 @@ def _in_place(wire: Wire, shapes: Mapping[str, tuple[int, ...]]) -> Msg:
     return Msg(wire.nbytes, name=piece.name, span=(first, piece.box.numel))
 
 
-def _part(window: torch.Tensor, piece: Piece, shapes: Mapping[str, tuple[int, ...]]) -> Part:
+def _part(window: torch.Tensor, piece: WirePiece, shapes: Mapping[str, tuple[int, ...]]) -> Part:
     view = typed_view(window, piece.offset, piece.dtype, piece.shape)
     return Part(view, piece.name, _box_or_whole(piece.box, shapes[piece.name]))

@@ -62,7 +62,7 @@ import torch
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.preflight_reader import PreflightResponder
 from colocate_runtime.colocated.reader import WeightReader
-from colocate_runtime.colocated.wiring import new_reader, new_responder
+from colocate_runtime.colocated.wiring import connect, importer_for, new_reader, new_responder
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
@@ -81,6 +81,7 @@ _config: ColocateConfig | None = None
 _resolver: TargetResolver | None = None
 _exchange_resolver: ExchangeResolver | None = None
 _exchange_group: torch.distributed.ProcessGroup | None = None
+_engine_instance: int | None = None  # this process's engine instance (register_engine)
 
 
 def named_parameters(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
@@ -149,10 +150,27 @@ def _cfg() -> ColocateConfig:
     return _config
 
 
+def register_engine(rank: int | None = None) -> int | None:
+    """Say in the meta-store that a new SGLang-side process serves this worker's GPU, once per process: the
+    trainer pushes its current weights to it again (colocated/repush.py). Its engine instance number; None
+    where the colocated path is not used (NCCL). Called at worker start (plugin or init call) and at the
+    first update."""
+    global _engine_instance
+    with _lock:
+        cfg = _cfg()
+        if _engine_instance is None and cfg.transport != "NCCL":
+            device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
+            uuid = importer_for(cfg, rank=_tp_rank() if rank is None else rank, device=device).device_uuid()
+            _engine_instance = connect(cfg).register_engine(uuid)
+            log.info("colocated: engine instance %d on %s", _engine_instance, uuid)
+        return _engine_instance
+
+
 def start_preflight(rank: int | None = None) -> PreflightResponder | None:
     """Answer the trainer's IPC preflight from this worker from now on (once per process; see above).
     `rank` as the reader's (the TP rank by default). None when the preflight is Off."""
     global _responder
+    register_engine(rank)
     with _lock:
         cfg = _cfg()
         if _responder is None and cfg.ipc_preflight != "Off" and cfg.transport != "NCCL":
@@ -168,6 +186,10 @@ def _post_load(model: torch.nn.Module) -> Callable[[], None] | None:
 
 
 def reader_for(model: torch.nn.Module) -> WeightReader:
+    try:
+        register_engine()  # neither the plugin nor the init call ran in this process
+    except Exception as err:
+        log.warning("colocated: engine instance not registered (%s); a restart is not re-pushed", err)
     with _lock:
         reader = _readers.get(id(model))
         if reader is None:

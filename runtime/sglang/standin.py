@@ -15,7 +15,8 @@ per-version table (versions.py) and fails where SGLang fails:
 
 What it lacks: SGLang's processes (one scheduler per TP rank), its scheduler, memory saver, CUDA graphs.
 Fault injection: `faults` answers 503 to the first N calls of a path (the adapter's retries); `hangs` holds
-every call of a path that long before answering (a hung engine: the adapter's timeouts).
+every call of a path that long before answering (a hung engine: the adapter's timeouts); `crash_at` kills
+the server at the Nth call of a path, before it is handled (SGLang dying in the middle of a weight update).
 
 Run: `python -m colocate_runtime.sglang.standin --port 30000 --custom-weight-loader PATH --sglang-version V`.
 """
@@ -91,8 +92,10 @@ class StandinState:
         version: str = DEFAULT_VERSION,
         on_crash: Callable[[str], None] | None = None,
         api_key: str | None = None,
+        crash_at: dict[str, int] | None = None,
     ) -> None:
         self.model = model
+        self.crash_at = dict(crash_at or {})
         self.loaders = loaders
         self.faults = dict(faults or {})
         self.hangs: dict[str, float] = {}
@@ -125,6 +128,9 @@ class StandinState:
             if self.crashed is not None:
                 raise Crashed(self.crashed)
             self.calls.append(path)
+            if self.crash_at.get(path) == self.calls.count(path):
+                self.crash(f"{path}: injected crash at call {self.crash_at[path]}")
+                raise Crashed("injected crash")
             if self.faults.get(path, 0) > 0:
                 self.faults[path] -= 1
                 return 503, {"success": False, "message": "stand-in: injected 503"}
@@ -371,6 +377,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sglang-version", default=DEFAULT_VERSION, help="the SGLang release to behave like")
     p.add_argument("--api-key", default=None, help="require this bearer token, as SGLang's --api-key does")
     p.add_argument("--faults", default="{}", help='JSON {"/path": n}: answer 503 to the first n calls')
+    p.add_argument("--crash-at", default="{}", help='JSON {"/path": n}: die at the n-th call of the path')
+    p.add_argument(
+        "--run-plugins",
+        action="store_true",
+        help="run our sglang.srt.plugins hook at start, as SGLang >= 0.5.11 does in each worker",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s standin %(message)s")
     torch.set_num_threads(1)
@@ -381,7 +393,12 @@ def main(argv: list[str] | None = None) -> None:
         version=args.sglang_version,
         on_crash=lambda why: os._exit(1),
         api_key=args.api_key,
+        crash_at=json.loads(args.crash_at),
     )
+    if args.run_plugins and state.engine.plugins:
+        from colocate_runtime.sglang.plugin import after_model_runner_init
+
+        after_model_runner_init(None)  # starts the colocated side and registers this engine instance
     server = serve(state, args.host, args.port)
     log.info("SGLang stand-in on %s:%d", *server.server_address[:2])
     threading.Event().wait()

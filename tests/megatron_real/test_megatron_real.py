@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ import safetensors.torch
 import torch
 import transformers
 
+from colocate_devcluster.processes import free_port
 from colocate_runtime.bits import bits
 from colocate_runtime.colocated.gather import compile_gather
 from colocate_runtime.colocated.inplace import InPlaceLayout
@@ -60,12 +60,6 @@ def megatron_path(release: str) -> str:
         timeout=600,
     )
     return out.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(release: str, out: Path) -> None:

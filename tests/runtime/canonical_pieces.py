@@ -11,18 +11,11 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from colocate_runtime.convert import CanonicalTensor, InferenceRankPlan
-from colocate_runtime.shards import Box, TensorShard
+from colocate_runtime.dtypes import torch_dtype
+from colocate_runtime.shards import TensorShard
 
 Pieces = Iterable[tuple[TensorShard, torch.Tensor]]
 ORIGIN_STRIDE = 4096  # origin value = tensor id * stride + flat index: exact in fp32 for small test models
-
-
-def index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def origin_tensors(catalogue: Mapping[str, CanonicalTensor]) -> dict[str, torch.Tensor]:
@@ -54,7 +47,7 @@ def assemble(pieces: Pieces, catalogue: Mapping[str, CanonicalTensor]) -> dict[s
         if shard.name not in full:
             full[shard.name] = torch.zeros(tensor.shape, dtype=data.dtype)
             seen[shard.name] = torch.zeros(tensor.shape, dtype=torch.bool)
-        region, mask = full[shard.name][index(shard.box)], seen[shard.name][index(shard.box)]
+        region, mask = full[shard.name][shard.box.slices()], seen[shard.name][shard.box.slices()]
         assert torch.equal(region[mask], data[mask]), f"{shard.name}: replicas disagree in {shard.box}"
         region.copy_(data)
         mask.fill_(True)
@@ -82,8 +75,8 @@ def deliver(plan: InferenceRankPlan, pieces: Pieces) -> dict[str, torch.Tensor]:
             if common is None:
                 continue
             piece = TensorShard(target.name, target.global_shape, target.dtype, common)
-            plan.write(params, piece, data[index(common.relative_to(source.box))])
-            covered[index(common.relative_to(target.box))] = True
+            plan.write(params, piece, data[common.relative_to(source.box).slices()])
+            covered[common.relative_to(target.box).slices()] = True
         assert bool(covered.all()), f"{target.name}: {target.box} not fully fed by the trainer pieces"
     return params
 

@@ -19,6 +19,7 @@ import torch
 
 from colocate_runtime.colocated.config import ColocateConfig, MetaStoreAddress
 from colocate_runtime.colocated.outcome import StepFailed
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box
 from colocate_runtime.shards import Box, TensorShard, stable_hash
 
@@ -49,6 +50,7 @@ class Case:
     step_timeout_s: float = 10.0
     agree_timeout_s: float | None = None  # None: from the config (step timeout + margin)
     p2p_timeout_s: float = 20.0
+    direct_min_bytes: int | None = None  # the executor's own-message threshold (None: its default)
     inline_writer: bool = True  # the rank publishes itself; False: a writer process per GPU does
     via_loader: bool = False  # apply through sglang/loader.py's hooks
     gather_layouts: bool = False  # each rank states only its own shards; gather_layout collects them
@@ -90,11 +92,7 @@ def _layout(params: tuple[Param, ...], world: int, side: str) -> Layout:
 
 def reference(name: str, shape: tuple[int, ...], dtype: str, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(stable_hash(f"{name}@{step}")[:8], 16))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(getattr(torch, dtype))
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(torch_dtype(dtype))
 
 
 def trainer_step(
@@ -110,7 +108,7 @@ def trainer_step(
             box, broken = Box(box.offsets, (box.lengths[0] - 1, *box.lengths[1:])), True
         if not broken and fault == "dtype" and dtype != "float32":
             dtype, broken = "float32", True
-        data = reference(s.name, s.global_shape, s.dtype, step)[_slices(box)].to(getattr(torch, dtype))
+        data = reference(s.name, s.global_shape, s.dtype, step)[box.slices()].to(torch_dtype(dtype))
         tensors[s.name] = data.to(device)
         shards[s.name] = TensorShard(s.name, s.global_shape, dtype, box)
     return tensors, shards
@@ -121,7 +119,7 @@ def make_targets(
 ) -> dict[str, torch.Tensor]:
     out = {}
     for s in layout.rank_shards(rank).shards:
-        dtype = getattr(torch, s.dtype)
+        dtype = torch_dtype(s.dtype)
         shape = s.box.lengths
         if s.name in strided and len(shape) == 2:
             out[s.name] = torch.empty(shape[::-1], dtype=dtype, device=device).t()  # column-major view
@@ -133,7 +131,7 @@ def make_targets(
 def wrong_targets(layout: Layout, rank: int, step: int, targets: dict[str, torch.Tensor]) -> list[str]:
     bad = []
     for s in layout.rank_shards(rank).shards:
-        want = reference(s.name, s.global_shape, s.dtype, step)[_slices(s.box)].contiguous()
+        want = reference(s.name, s.global_shape, s.dtype, step)[s.box.slices()].contiguous()
         got = targets[s.name].cpu().contiguous()
         if got.shape != want.shape or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             bad.append(s.name)
@@ -175,7 +173,8 @@ def rank_worker(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
         gathered = gather_layout(trainer.rank_shards(rank)), gather_layout(inference.rank_shards(rank))
         assert gathered == (trainer, inference), "gathered layouts differ from the computed ones"
         trainer, inference = gathered
-    config = ExecutorConfig(timeout_s=case.p2p_timeout_s)
+    threshold = {} if case.direct_min_bytes is None else {"direct_min_bytes": case.direct_min_bytes}
+    config = ExecutorConfig(timeout_s=case.p2p_timeout_s, **threshold)
     if case.agree_timeout_s is None:
         exchange = reshard_exchange(cfg, trainer, inference, device=device, config=config)
     else:
@@ -229,6 +228,8 @@ def rank_worker(rank: int, world: int, case: Case) -> list[dict[str, Any]]:
                     wrong=wrong_targets(inference, rank, step, targets),
                     copied_locally=last.bytes,
                     received=report.bytes_received,
+                    received_in_place=report.received_in_place,
+                    received_staged=report.received_staged,
                     sent=report.bytes_sent,
                     p2p_local=report.bytes_local,
                     target_bytes=total_bytes,

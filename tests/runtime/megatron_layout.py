@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate_runtime.convert import MegatronLayout, MegatronRank, ModelSpec, PipelineLayout
+from colocate_runtime.convert import MegatronLayout, MegatronRank, ModelDims, PipelineLayout
 
 PADDING = float("nan")
 
@@ -107,7 +107,7 @@ def _vocab_shard(t: torch.Tensor, par: Parallel, tp_rank: int) -> torch.Tensor:
 
 
 def _grouped_qkv(
-    spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, par: Parallel, tp_rank: int
+    spec: ModelDims, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, par: Parallel, tp_rank: int
 ):
     d, qpg = spec.head_dim, spec.num_heads // spec.num_kv_heads
     groups = [
@@ -119,7 +119,7 @@ def _grouped_qkv(
 
 
 def _layer(
-    spec: ModelSpec, t: Mapping[str, torch.Tensor], par: Parallel, rank: MegatronRank
+    spec: ModelDims, t: Mapping[str, torch.Tensor], par: Parallel, rank: MegatronRank
 ) -> dict[str, torch.Tensor]:
     tp, r = par.tp, rank.tp_rank
     out: dict[str, torch.Tensor] = {}
@@ -198,7 +198,7 @@ def _layer(
 
 
 def megatron_chunks(
-    spec: ModelSpec, canonical: Mapping[str, torch.Tensor], par: Parallel, rank: MegatronRank
+    spec: ModelDims, canonical: Mapping[str, torch.Tensor], par: Parallel, rank: MegatronRank
 ) -> list[dict[str, torch.Tensor]]:
     """The state dicts of one trainer rank's model chunks (one per virtual stage), Megatron-core names."""
     chunks = []

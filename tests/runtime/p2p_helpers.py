@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from colocate_runtime.bits import bits as int_view
+from colocate_runtime.bits import copy_bits
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box, split_extent
 from colocate_runtime.shards import Box, stable_hash
 
@@ -146,10 +149,17 @@ def inference_layout(
 # --- reference data ------------------------------------------------------------------------------------
 
 
-def reference(name: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    """The same pseudo-random global tensor in every process (values exact in bf16)."""
+def reference(name: str, shape: tuple[int, ...], dtype: str, *, bits: bool = False) -> torch.Tensor:
+    """The same pseudo-random global tensor in every process (values exact in bf16). `bits`: random bit
+    patterns instead, every fifth element a NaN with a random payload (a float copy may rewrite those)."""
     g = torch.Generator().manual_seed(int(stable_hash(name)[:8], 16))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(getattr(torch, dtype))
+    if not bits:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(torch_dtype(dtype))
+    width = torch_dtype(dtype).itemsize
+    half = 1 << (8 * width - 1)
+    x = torch.randint(-half, half, shape, generator=g, dtype={2: torch.int16, 4: torch.int32}[width])
+    x.view(-1)[::5] |= 0x7F81 if width == 2 else 0x7F800001  # exponent all ones, mantissa not zero
+    return x.view(torch_dtype(dtype))
 
 
 def dense_local(
@@ -166,38 +176,33 @@ def dense_local(
 
 
 def local_tensors(
-    layout: Layout, rank: int, device: torch.device, *, fill: bool, strided: bool
+    layout: Layout, rank: int, device: torch.device, *, fill: bool, strided: bool, bits: bool = False
 ) -> dict[str, torch.Tensor]:
     out = {}
-    for p in layout.params:
-        box = p.box_of(rank)
-        if box is None:
-            continue
-        t = dense_local(box.lengths, getattr(torch, p.dtype), device, strided)
+    for s in layout.rank_shards(rank).shards:
+        t = dense_local(s.box.lengths, torch_dtype(s.dtype), device, strided)
         if fill:
-            ref = reference(p.name, p.global_shape, p.dtype)
-            t.copy_(ref[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))])
+            copy_bits(t, reference(s.name, s.global_shape, s.dtype, bits=bits)[s.box.slices()])
         else:
             t.fill_(-7777.0)  # any element the exchange misses stays visibly wrong
-        out[p.name] = t
+        out[s.name] = t
     return out
 
 
-def mismatches(senders: Layout, receivers: Layout, rank: int, targets: dict[str, torch.Tensor]) -> list[str]:
+def mismatches(
+    senders: Layout, receivers: Layout, rank: int, targets: dict[str, torch.Tensor], *, bits: bool = False
+) -> list[str]:
     """This rank's receiver shards that differ bitwise from the reference (cast sender -> receiver)."""
     send = senders.by_name()
     bad = []
-    for p in receivers.params:
-        box = p.box_of(rank)
-        if box is None:
-            continue
-        ref = reference(p.name, p.global_shape, send[p.name].dtype).to(getattr(torch, p.dtype))
-        want = ref[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))].contiguous()
-        got = targets[p.name].cpu().contiguous()
+    for s in receivers.rank_shards(rank).shards:
+        ref = reference(s.name, s.global_shape, send[s.name].dtype, bits=bits).to(torch_dtype(s.dtype))
+        want = ref[s.box.slices()].contiguous()
+        got = targets[s.name].cpu().contiguous()
         if got.shape != want.shape or not torch.equal(
             got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)
         ):
-            bad.append(p.name)
+            bad.append(s.name)
     return bad
 
 
@@ -294,6 +299,7 @@ class Scenario:
     trace: bool = False
     budget_by_rank: dict[int, int] | None = None  # ranks configured differently (they agree on the smallest)
     direct_min_bytes: int | None = None  # slices this big get their own message (None: the default)
+    bits: bool = False  # random bit patterns with NaN payloads instead of normal values (one dtype only)
 
     def layouts(self) -> tuple[Layout, Layout]:
         return trainer_layout(self.model, **self.trainer), inference_layout(self.model, **self.inference)
@@ -312,7 +318,9 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
         overrides["direct_min_bytes"] = scenario.direct_min_bytes
     config = ExecutorConfig.from_env(env, timeout_s=20.0, **overrides)
     exchange = P2PExchange.create(senders, receivers, device=device, config=config)
-    sources = local_tensors(senders, rank, device, fill=True, strided=scenario.strided_sources)
+    sources = local_tensors(
+        senders, rank, device, fill=True, strided=scenario.strided_sources, bits=scenario.bits
+    )
     reports, bad, cuda_extra = [], [], []
     for _ in range(scenario.runs):
         targets = local_tensors(receivers, rank, device, fill=False, strided=scenario.strided_targets)
@@ -323,10 +331,10 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
         reports.append(exchange.run(sources, targets))
         if device.type == "cuda":
             cuda_extra.append(torch.cuda.max_memory_allocated(device) - base)
-        bad.append(mismatches(senders, receivers, rank, targets))
-    # Sources must come through untouched (nothing may write into the sender's tensors).
-    fresh = local_tensors(senders, rank, torch.device("cpu"), fill=True, strided=False)
-    touched = [n for n, t in sources.items() if not torch.equal(t.cpu(), fresh[n])]
+        bad.append(mismatches(senders, receivers, rank, targets, bits=scenario.bits))
+    # Sources must come through untouched (nothing may write into the sender's tensors), bit for bit.
+    fresh = local_tensors(senders, rank, torch.device("cpu"), fill=True, strided=False, bits=scenario.bits)
+    touched = [n for n, t in sources.items() if not torch.equal(int_view(t.cpu()), int_view(fresh[n]))]
     last = reports[-1]
     return {
         "plan_hash": exchange.plan.hash(),
@@ -335,6 +343,10 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
         "batches_total": sum(len(c.batches) for c in exchange.schedule.chunks),
         "capacity": exchange.chunk_plan.capacity,
         "staging_bytes": [r.staging_bytes for r in reports],
+        "received_in_place": last.received_in_place,
+        "received_staged": last.received_staged,
+        "sent_in_place": last.sent_in_place,
+        "sent_staged": last.sent_staged,
         "cuda_extra_bytes": cuda_extra,  # the caching allocator's peak: staging plus small control tensors
         "bytes_sent": last.bytes_sent,
         "bytes_received": last.bytes_received,
@@ -351,14 +363,17 @@ def reshard_worker(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
 # --- workers that misbehave on purpose -----------------------------------------------------------------
 
 
-def _small_exchange(rank: int, world: int, receivers_tp: int = 1, timeout_s: float = 20.0) -> Any:
+def _small_exchange(
+    rank: int, world: int, receivers_tp: int = 1, timeout_s: float = 20.0, direct_min_bytes: int = 4 << 20
+) -> Any:
     from colocate_runtime.p2p.config import ExecutorConfig
     from colocate_runtime.p2p.executor import P2PExchange
 
     model = dense_model(layers=2)
     senders = trainer_layout(model, tp=world)
     receivers = inference_layout(model, tp=receivers_tp, ranks=range(world))
-    return P2PExchange.create(senders, receivers, config=ExecutorConfig(timeout_s=timeout_s)), model
+    config = ExecutorConfig(timeout_s=timeout_s, direct_min_bytes=direct_min_bytes)
+    return P2PExchange.create(senders, receivers, config=config), model
 
 
 def stall_worker(rank: int, world: int, stall_rank: int, stall_s: float) -> str:
@@ -414,13 +429,18 @@ def extra_param_worker(rank: int, world: int, odd_rank: int) -> str:
     return "created"
 
 
-def bad_tensor_worker(rank: int, world: int, bad_rank: int) -> str:
-    """`bad_rank` hands over a target of the wrong shape; nobody may start sending."""
-    exchange, _ = _small_exchange(rank, world)
+def bad_tensor_worker(rank: int, world: int, bad_rank: int) -> tuple[str, list[str]]:
+    """`bad_rank` hands over a target of the wrong shape; nobody may start sending, and no target may change
+    (the others' in-place receives and local copies included). Returns the error and the targets written."""
+    exchange, _ = _small_exchange(rank, world, direct_min_bytes=16)  # dense slices received in place
     device = exchange.device
     sources = local_tensors(exchange.senders, rank, device, fill=True, strided=False)
     targets = local_tensors(exchange.receivers, rank, device, fill=False, strided=False)
     if rank == bad_rank:
         targets["layers.0.attn.o.weight"] = targets["layers.0.attn.o.weight"][:, :-1]
-    exchange.run(sources, targets)
-    return "ran"
+    try:
+        exchange.run(sources, targets)
+        error = "ran"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return error, sorted(n for n, t in targets.items() if not bool((t == -7777.0).all()))

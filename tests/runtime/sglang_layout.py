@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from colocate_runtime.convert import ModelSpec, SGLangLayout
+from colocate_runtime.convert import ModelDims, SGLangLayout
 
 
 def _part(t: torch.Tensor, parts: int, index: int, dim: int = 0) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _vocab(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 
 def sglang_params(
-    spec: ModelSpec,
+    spec: ModelDims,
     canonical: Mapping[str, torch.Tensor],
     layout: SGLangLayout,
     tp_rank: int,

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.colocated.config import MetaStoreAddress
+from colocate_runtime.colocated.exchange_seam import ExchangeRequest
 from colocate_runtime.colocated.outcome import StepFailed, StepRejected, StepTimedOut
-from colocate_runtime.colocated.reader import ExchangeRequest
 from colocate_runtime.colocated.wiring import new_reader, new_writer
 from colocate_runtime.colocated.writer import PendingStep, WeightWriter
 from colocate_runtime.p2p.layout import Layout
@@ -26,12 +28,12 @@ from tests.runtime.exchange_helpers import (
     TP2_PARAMS,
     TP3_PARAMS,
     Case,
+    Param,
     rank_worker,
     trainer_step,
     writers_case,
 )
 from tests.runtime.p2p_helpers import WorldResult, run_world
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,8 +54,11 @@ def assert_all_good(step: dict[str, Any], rank: int) -> None:
 
 
 @pytest.fixture
-def case_args(redis_server: RedisServer, tmp_path: Path) -> dict[str, Any]:  # noqa: F811
-    return {"redis": redis_server.address, "shm_dir": str(tmp_path / "shm")}
+def case_args(redis_server: RedisServer, tmp_path: Path) -> dict[str, Any]:
+    return {
+        "redis": MetaStoreAddress(redis_server.host, redis_server.port, redis_server.password),
+        "shm_dir": str(tmp_path / "shm"),
+    }
 
 
 class RecordingExchange:
@@ -143,6 +148,27 @@ def test_trainer_tp3_to_replicated_and_uneven_splits_on_three_ranks_through_the_
 
 
 @pytest.mark.timeout(60)
+def test_row_ranges_from_other_gpus_land_in_the_targets_themselves_and_column_ranges_are_staged(
+    case_args: dict,
+) -> None:
+    """Trainer TP3 -> the whole tensors on every GPU: the 8 rows of `w_col` from the two peers are row
+    ranges of the target and are received straight into it; the 6 columns of `w_row` are strided there and
+    go through staging. The counts are the same every step (decided once per plan)."""
+    params = (
+        Param("w_col", (12, 8), "bfloat16", "d0", "rep"),
+        Param("w_row", (6, 9), "bfloat16", "d1", "rep"),
+        Param("norm", (8,), "float32", "rep", "rep"),
+    )
+    case = Case(params, **case_args, steps=2, direct_min_bytes=16)
+    ranks = records(run_world(rank_worker, 3, case, timeout=50))
+    for rank, steps in enumerate(ranks):
+        assert [s["step"] for s in steps] == [1, 2]
+        for step in steps:
+            assert_all_good(step, rank)
+            assert (step["received_in_place"], step["received_staged"]) == (8 * 8 * 2, 6 * 6 * 2), step
+
+
+@pytest.mark.timeout(60)
 def test_a_trainer_that_never_publishes_fails_every_rank_at_its_timeout_then_the_next_step_works(
     case_args: dict,
 ) -> None:
@@ -215,7 +241,7 @@ def run_with_writer_processes(
 ) -> list[list[dict[str, Any]]]:
     """Each GPU's trainer in a process of its own (as in a pod); the readers in a `run_world`."""
     shm_dir = str(tmp_path / "shm")
-    case = writers_case(redis.address, transport, shm_dir)
+    case = writers_case(MetaStoreAddress(redis.host, redis.port, redis.password), transport, shm_dir)
     env = {
         **os.environ,
         "REDIS_PORT": str(redis.port),
@@ -257,7 +283,7 @@ def run_with_writer_processes(
 
 
 @pytest.mark.timeout(90)
-def test_trainers_in_processes_of_their_own(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+def test_trainers_in_processes_of_their_own(redis_server: RedisServer, tmp_path: Path) -> None:
     """The GPU test's plumbing on the CPU: writer processes, shared memory, gloo."""
     run_with_writer_processes(redis_server, tmp_path, "SharedMemory", "gloo")
 
@@ -265,5 +291,5 @@ def test_trainers_in_processes_of_their_own(redis_server: RedisServer, tmp_path:
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_gpu_tp2_rows_to_columns_nccl_and_cuda_ipc(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+def test_gpu_tp2_rows_to_columns_nccl_and_cuda_ipc(redis_server: RedisServer, tmp_path: Path) -> None:
     run_with_writer_processes(redis_server, tmp_path, "CudaIPC", "nccl")

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate_runtime.colocated import events as ev
+from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.ipc import CudaIpcExporter
 from colocate_runtime.colocated.preflight import PreflightFailed
 from colocate_runtime.colocated.wiring import connect, new_writer
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
+from colocate_runtime.contract import events as ev
 from tests.runtime import colocated_model as model
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def env(redis_server: RedisServer) -> dict[str, str]:  # noqa: F811
+def env(redis_server: RedisServer) -> dict[str, str]:
     return {
         "COLOCATE_JOB_NAME": "gpu-job",
         "COLOCATE_NAMESPACE": "test",

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate_runtime.colocated import events as ev
+from colocate_devcluster.localredis import RedisServer
+from colocate_devcluster.processes import free_port
 from colocate_runtime.colocated import preflight_reader
 from colocate_runtime.colocated.config import ColocateConfig, ConfigError
-from colocate_runtime.colocated.events import StepEvent
 from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.colocated.preflight import (
     Offer,
@@ -36,34 +36,33 @@ from colocate_runtime.colocated.shm import SharedMemoryExporter, SharedMemoryImp
 from colocate_runtime.colocated.transport import TransportError
 from colocate_runtime.colocated.wiring import connect, cpu_device_id, new_writer
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
+from colocate_runtime.contract import events as ev
+from colocate_runtime.contract.events import StepEvent
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
 from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
 from colocate_runtime.sglang.rollout import ColocatedRollout
 from colocate_runtime.sglang.standin import TinyLM
 from tests.runtime import colocated_model as model
-from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
+from tests.runtime.colocated_env import shm_env
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def base_env(redis_server: RedisServer, shm: Path, mode: str, timeout_s: float) -> dict[str, str]:  # noqa: F811
-    return {
-        "COLOCATE_JOB_NAME": "pf-job",
-        "COLOCATE_NAMESPACE": "team-a",
-        **redis_server.env(),
-        "COLOCATE_TRANSPORT": "SharedMemory",
-        "COLOCATE_SHM_DIR": str(shm),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "30",
-        "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-        "COLOCATE_BUCKET_MB": "1",
-        "COLOCATE_IPC_PREFLIGHT": mode,
-        "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS": str(timeout_s),
-    }
+def base_env(redis_server: RedisServer, shm: Path, mode: str, timeout_s: float) -> dict[str, str]:
+    return shm_env(
+        redis_server,
+        shm,
+        COLOCATE_JOB_NAME="pf-job",
+        COLOCATE_STEP_TIMEOUT_SECONDS="30",
+        COLOCATE_BUCKET_MB="1",
+        COLOCATE_IPC_PREFLIGHT=mode,
+        COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS=str(timeout_s),
+    )
 
 
 @pytest.fixture
-def env_for(redis_server: RedisServer, tmp_path: Path):  # noqa: F811
+def env_for(redis_server: RedisServer, tmp_path: Path):
     def make(mode: str = "Fail", timeout_s: float = 20.0, shm: str = "shm") -> dict[str, str]:
         return base_env(redis_server, tmp_path / shm, mode, timeout_s)
 
@@ -457,7 +456,7 @@ def test_events_carry_an_optional_reason() -> None:
         ev.decode({**fields, "reason": "Gremlins"})
 
 
-def test_config_reads_the_preflight_variables(redis_server: RedisServer, tmp_path: Path) -> None:  # noqa: F811
+def test_config_reads_the_preflight_variables(redis_server: RedisServer, tmp_path: Path) -> None:
     env = base_env(redis_server, tmp_path, "Wait", 30)
     cfg = ColocateConfig.from_env({**env, "COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS": "300"})
     assert (cfg.ipc_preflight, cfg.ipc_preflight_timeout_s, cfg.ipc_preflight_wait_s) == ("Wait", 30, 300)

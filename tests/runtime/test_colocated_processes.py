@@ -13,29 +13,26 @@ from pathlib import Path
 
 import pytest
 
+from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.outcome import PeerLost
 from colocate_runtime.colocated.wiring import new_reader, new_writer
 from tests.runtime import colocated_model as model
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.runtime.colocated_env import shm_env
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:  # noqa: F811
-    return {
-        "COLOCATE_JOB_NAME": "rl-job",
-        "COLOCATE_NAMESPACE": "team-a",
-        **redis_server.env(),
-        "COLOCATE_TRANSPORT": "SharedMemory",
-        "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "30",
-        "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-        "COLOCATE_BUCKET_MB": "1",
-        "COLOCATE_VERIFY": "SampledChecksum",
-    }
+def env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
+    return shm_env(
+        redis_server,
+        tmp_path / "shm",
+        COLOCATE_STEP_TIMEOUT_SECONDS="30",
+        COLOCATE_BUCKET_MB="1",
+        COLOCATE_VERIFY="SampledChecksum",
+    )
 
 
 def spawn(role: str, env: dict[str, str], out: Path, *args: str) -> subprocess.Popen:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.exchange_seam import ExchangeRequest
 from colocate_runtime.colocated.manifest import Ack, decode_manifest
 from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED, reader_identity, step_claim
 from colocate_runtime.colocated.outcome import (
@@ -25,29 +27,19 @@ from colocate_runtime.colocated.outcome import (
     StepRejected,
     StepTimedOut,
 )
-from colocate_runtime.colocated.reader import ExchangeRequest, ReaderSettings, WeightReader
+from colocate_runtime.colocated.reader import ReaderSettings, WeightReader
 from colocate_runtime.colocated.wiring import connect, importer_for, new_reader, new_writer
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
 from colocate_runtime.shards import Box, TensorShard
 from tests.runtime import colocated_model as model
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.runtime.colocated_env import shm_config
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
-def cfg(redis_server: RedisServer, tmp_path: Path) -> ColocateConfig:  # noqa: F811
-    env = {
-        "COLOCATE_JOB_NAME": "rl-job",
-        "COLOCATE_NAMESPACE": "team-a",
-        **redis_server.env(),
-        "COLOCATE_TRANSPORT": "SharedMemory",
-        "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "5",
-        "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-        "COLOCATE_BUCKET_MB": "1",
-    }
-    return ColocateConfig.from_env(env)
+def cfg(redis_server: RedisServer, tmp_path: Path) -> ColocateConfig:
+    return shm_config(redis_server, tmp_path / "shm", COLOCATE_BUCKET_MB="1")
 
 
 class ReaderThread:
@@ -437,7 +429,7 @@ def test_an_exchange_that_keeps_a_view_is_caught_and_nothing_is_freed(cfg: Coloc
 def test_redis_restart_mid_step_is_a_clear_error_and_the_next_step_succeeds(
     cfg: ColocateConfig,
     writer: WeightWriter,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     pending = writer.publish(1, model.weights(1))  # no reader yet: the step is in flight
     redis_server.restart()
@@ -497,3 +489,50 @@ class _Gated(_Wrapped):
         flat = self.inner.open(descriptor, nbytes)
         assert self.gate.wait(timeout=30)
         return flat
+
+
+def mapped(path_part: str) -> bool:
+    return any(path_part in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_kept_buckets_stay_mapped_until_a_manifest_stops_keeping_them(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    """`Manifest.kept` (the trainer's own storage, kept.py): the reader keeps that allocation mapped after the
+    step's own close and says so in its ACK; the next manifest that does not keep it drops the mapping."""
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+
+    def claimed(step: int, kept: tuple[int, ...]):
+        fetched = store.fetch_step(gen, step, uuid, reader.claim_for(gen, step))
+        assert fetched is not None and fetched.winner == reader.claim_for(gen, step)
+        manifest = decode_manifest(fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=uuid)
+        return dataclasses.replace(manifest, kept=kept)
+
+    try:
+        first = writer.publish(1, model.weights(1))
+        manifest = claimed(1, (0,))
+        kept_file = str(manifest.buckets[0].descriptor["file"])
+        reader.apply(manifest)
+        assert store.read_ack(gen, 1, uuid).kept == (0,)
+        writer.wait_and_free(first)
+        assert model.all_equal(model.weights(1), targets) == []
+        assert kept_file not in shm_files(cfg) and mapped(kept_file)  # freed by the trainer, mapped here
+
+        second = writer.publish(2, model.weights(2))
+        reader.apply(claimed(2, ()))
+        assert store.read_ack(gen, 2, uuid).kept == ()
+        writer.wait_and_free(second)
+        assert model.all_equal(model.weights(2), targets) == [] and not mapped(kept_file)
+
+        third = writer.publish(3, model.weights(3))
+        manifest = claimed(3, (0, 1))
+        reader.apply(manifest)
+        assert store.read_ack(gen, 3, uuid).kept == (0, 1)
+        writer.wait_and_free(third)
+        files = [str(b.descriptor["file"]) for b in manifest.buckets]
+        assert all(mapped(f) for f in files)
+    finally:
+        reader.close()
+    assert not any(mapped(f) for f in files)  # the reader's close drops what it kept

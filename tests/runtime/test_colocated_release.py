@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from colocate_runtime.colocated import events as ev
+from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.liveness import Heartbeat, host_id
 from colocate_runtime.colocated.manifest import Ack, decode_manifest, encode_manifest
@@ -47,8 +47,9 @@ from colocate_runtime.colocated.reader import ExchangeRequest
 from colocate_runtime.colocated.transport import BucketExporter, LocalBucket
 from colocate_runtime.colocated.wiring import connect, exporter_for, importer_for, new_reader, new_writer
 from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
+from colocate_runtime.contract import events as ev
 from tests.runtime import colocated_model as model
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.runtime.colocated_env import shm_config, shm_env
 from tests.runtime.release_procs import SCALE
 
 pytestmark = pytest.mark.timeout(180)
@@ -161,17 +162,16 @@ class Trainer:
 
 
 @pytest.fixture(params=TRANSPORTS)
-def env(request: pytest.FixtureRequest, redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:  # noqa: F811
-    return {
-        "COLOCATE_JOB_NAME": "release-job",
-        "COLOCATE_NAMESPACE": "test",
-        **redis_server.env(),
-        "COLOCATE_TRANSPORT": request.param,
-        "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
-        "COLOCATE_STEP_TIMEOUT_SECONDS": "6",
-        "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-        "COLOCATE_BUCKET_MB": "64",
-    }
+def env(request: pytest.FixtureRequest, redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
+    return shm_env(
+        redis_server,
+        tmp_path / "shm",
+        COLOCATE_JOB_NAME="release-job",
+        COLOCATE_NAMESPACE="test",
+        COLOCATE_TRANSPORT=request.param,
+        COLOCATE_STEP_TIMEOUT_SECONDS="6",
+        COLOCATE_BUCKET_MB="64",
+    )
 
 
 def make_trainer(env: dict[str, str], tmp_path: Path) -> Trainer:
@@ -404,18 +404,13 @@ class GatedImporter:
 
 
 @pytest.fixture
-def cpu_cfg(redis_server: RedisServer, tmp_path: Path) -> ColocateConfig:  # noqa: F811
-    return ColocateConfig.from_env(
-        {
-            "COLOCATE_JOB_NAME": "own-job",
-            "COLOCATE_NAMESPACE": "test",
-            **redis_server.env(),
-            "COLOCATE_TRANSPORT": "SharedMemory",
-            "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
-            "COLOCATE_STEP_TIMEOUT_SECONDS": "5",
-            "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-            "COLOCATE_BUCKET_MB": "1",
-        }
+def cpu_cfg(redis_server: RedisServer, tmp_path: Path) -> ColocateConfig:
+    return shm_config(
+        redis_server,
+        tmp_path / "shm",
+        COLOCATE_JOB_NAME="own-job",
+        COLOCATE_NAMESPACE="test",
+        COLOCATE_BUCKET_MB="1",
     )
 
 

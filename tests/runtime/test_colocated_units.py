@@ -117,6 +117,14 @@ def _manifest(**over) -> Manifest:
     return Manifest(**base)
 
 
+def test_kept_buckets_round_trip_and_must_be_buckets_of_the_manifest() -> None:
+    kept = _manifest(kept=(0,))
+    assert decode_manifest(encode_manifest(kept)).kept == (0,)
+    assert Ack.from_json(Ack(status="ok", ipc_closed=True, kept=(0,)).to_json()).kept == (0,)
+    with pytest.raises(ManifestError, match=r"keeps buckets \[7\] mapped, which it does not have"):
+        decode_manifest(encode_manifest(_manifest(kept=(0, 7))))
+
+
 def test_manifest_round_trip_and_pinning() -> None:
     m = _manifest()
     blob = encode_manifest(m)

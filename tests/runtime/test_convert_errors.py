@@ -13,7 +13,7 @@ from colocate_runtime.convert import (
     MegatronLayout,
     MegatronRank,
     MissingTensorError,
-    ModelSpec,
+    ModelDims,
     PipelineLayout,
     SGLangLayout,
     ShapeMismatchError,
@@ -47,16 +47,16 @@ CONFIG = dict(
 
 
 @pytest.fixture(scope="module")
-def spec() -> ModelSpec:
+def spec() -> ModelDims:
     return model_spec(CONFIG)
 
 
 @pytest.fixture(scope="module")
-def canonical(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def canonical(spec: ModelDims) -> dict[str, torch.Tensor]:
     return {n: t.float() for n, t in origin_tensors(canonical_tensors(spec)).items()}
 
 
-def test_unknown_architecture(spec: ModelSpec) -> None:
+def test_unknown_architecture(spec: ModelDims) -> None:
     with pytest.raises(UnknownArchitectureError, match=r"'llama'.*qwen3_moe"):
         architecture("llama")
     with pytest.raises(UnknownArchitectureError, match="gpt2"):
@@ -90,7 +90,7 @@ def test_bailing_normalised_lm_head_is_refused() -> None:
         model_spec(config)
 
 
-def test_missing_tensor_is_named(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
+def test_missing_tensor_is_named(spec: ModelDims, canonical: dict[str, torch.Tensor]) -> None:
     par = Parallel(tp=2, pp=2)
     chunks = megatron_chunks(spec, canonical, par, MegatronRank(tp_rank=1, pp_rank=1))
     del chunks[0]["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]
@@ -103,7 +103,7 @@ def test_missing_tensor_is_named(spec: ModelSpec, canonical: dict[str, torch.Ten
 
 
 def test_unexpected_tensor_is_named_and_wrappers_are_tolerated(
-    spec: ModelSpec, canonical: dict[str, torch.Tensor]
+    spec: ModelDims, canonical: dict[str, torch.Tensor]
 ) -> None:
     plan = trainer_plan(spec, Parallel().layout(4), MegatronRank())
     (chunk,) = megatron_chunks(spec, canonical, Parallel(), MegatronRank())
@@ -116,14 +116,14 @@ def test_unexpected_tensor_is_named_and_wrappers_are_tolerated(
         plan.convert(legacy)
 
 
-def test_shape_mismatch_names_tensor_and_shapes(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
+def test_shape_mismatch_names_tensor_and_shapes(spec: ModelDims, canonical: dict[str, torch.Tensor]) -> None:
     (chunk,) = megatron_chunks(spec, canonical, Parallel(tp=1), MegatronRank())
     plan = trainer_plan(spec, MegatronLayout(tp=2), MegatronRank(tp_rank=0))  # TP 1 tensors, TP 2 plan
     with pytest.raises(ShapeMismatchError, match=r"expected local shape \(\d+, 8\), got \(\d+, 8\)"):
         plan.convert(chunk)
 
 
-def test_wrong_number_of_model_chunks(spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
+def test_wrong_number_of_model_chunks(spec: ModelDims, canonical: dict[str, torch.Tensor]) -> None:
     par = Parallel(pp=2, vpp=2)
     chunks = megatron_chunks(spec, canonical, par, MegatronRank())
     with pytest.raises(ConvertError, match="1 model chunk"):
@@ -139,7 +139,7 @@ def test_wrong_number_of_model_chunks(spec: ModelSpec, canonical: dict[str, torc
         (MegatronLayout(pipeline=PipelineLayout.even(3)), "holds 3 layers, the model has 4"),
     ],
 )
-def test_unsupported_trainer_layouts(spec: ModelSpec, layout: MegatronLayout, match: str) -> None:
+def test_unsupported_trainer_layouts(spec: ModelDims, layout: MegatronLayout, match: str) -> None:
     with pytest.raises(UnsupportedLayoutError, match=match):
         for rank in layout.ranks():
             trainer_plan(spec, layout, rank)
@@ -164,13 +164,13 @@ def test_unsupported_pipeline_splits() -> None:
         (SGLangLayout(tp=16), "8 heads cannot be split over attention TP 16"),
     ],
 )
-def test_unsupported_inference_layouts(spec: ModelSpec, layout: SGLangLayout, match: str) -> None:
+def test_unsupported_inference_layouts(spec: ModelDims, layout: SGLangLayout, match: str) -> None:
     with pytest.raises(UnsupportedLayoutError, match=match):
         for rank in layout.ranks():
             inference_plan(spec, layout, rank)
 
 
-def test_kv_heads_neither_divided_nor_replicated(spec: ModelSpec) -> None:
+def test_kv_heads_neither_divided_nor_replicated(spec: ModelDims) -> None:
     odd = replace(spec, num_heads=12, num_kv_heads=3)
     with pytest.raises(
         UnsupportedLayoutError, match=r"3 heads cannot be split over attention TP 4 .*multiple of"
@@ -185,7 +185,7 @@ def test_sglang_layout_is_validated_on_construction() -> None:
         SGLangLayout(tp=4, dp_attention=3)
 
 
-def test_inference_tp_above_kv_heads_replicates_instead_of_failing(spec: ModelSpec) -> None:
+def test_inference_tp_above_kv_heads_replicates_instead_of_failing(spec: ModelDims) -> None:
     boxes = [
         next(
             s.box
@@ -197,7 +197,7 @@ def test_inference_tp_above_kv_heads_replicates_instead_of_failing(spec: ModelSp
     assert boxes == [Box((r // 4 * 2, 0), (2, 8)) for r in range(8)]
 
 
-def test_inference_writer_rejects_what_the_rank_does_not_hold(spec: ModelSpec) -> None:
+def test_inference_writer_rejects_what_the_rank_does_not_hold(spec: ModelDims) -> None:
     plan = inference_plan(spec, SGLangLayout(tp=2, ep=2), 1)  # holds experts 4..7
     params = {name: torch.zeros(shape) for name, shape in plan.param_shapes().items()}
     plan.check(params)

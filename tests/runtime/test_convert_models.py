@@ -23,7 +23,7 @@ from transformers import (
 
 from colocate_runtime.convert import (
     CanonicalTensor,
-    ModelSpec,
+    ModelDims,
     SGLangLayout,
     canonical_tensors,
     inference_plan,
@@ -41,14 +41,14 @@ FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|d
 class Toy:
     model_class: type[PreTrainedModel]
     config: PretrainedConfig
-    spec: ModelSpec
+    spec: ModelDims
     catalogue: dict[str, CanonicalTensor]
     canonical: dict[str, torch.Tensor]
     inputs: torch.Tensor
     logits: torch.Tensor
 
 
-def hf_to_canonical(model: PreTrainedModel, spec: ModelSpec) -> dict[str, torch.Tensor]:
+def hf_to_canonical(model: PreTrainedModel, spec: ModelDims) -> dict[str, torch.Tensor]:
     """transformers 5 stacks experts ([E, 2I, H] gate then up; [E, H, I]); canonical form is per expert."""
     out = {}
     for name, tensor in model.state_dict().items():
@@ -66,7 +66,7 @@ def hf_to_canonical(model: PreTrainedModel, spec: ModelSpec) -> dict[str, torch.
     return out
 
 
-def canonical_to_hf(canonical: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def canonical_to_hf(canonical: dict[str, torch.Tensor], spec: ModelDims) -> dict[str, torch.Tensor]:
     out = dict(canonical)
     if spec.moe is not None:
         for layer in sorted(spec.moe.layers):

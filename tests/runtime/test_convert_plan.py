@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from colocate_runtime.convert import SGLangLayout, canonical_tensors, inference_plan, model_spec, trainer_plan
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.p2p import Layout, build_plan
 from colocate_runtime.shards import TensorShard
-from tests.runtime.canonical_pieces import index, origin_tensors
+from tests.runtime.canonical_pieces import origin_tensors
 from tests.runtime.megatron_layout import Parallel, megatron_chunks
 from tests.runtime.sglang_layout import sglang_params
 
@@ -68,9 +69,9 @@ def test_plan_from_converter_metadata_fills_sglang_parameters(
     }
     received: dict[int, list] = {rank_id: [] for rank_id in plans}
     for t in transfer_plan.transfers:
-        piece = held[t.src][t.name][index(t.src_box)]
+        piece = held[t.src][t.name][t.src_box.slices()]
         shard = TensorShard(t.name, catalogue[t.name].shape, t.dst_dtype, t.region)
-        received[t.dst].append((shard, piece.to(getattr(torch, t.dst_dtype))))
+        received[t.dst].append((shard, piece.to(torch_dtype(t.dst_dtype))))
     for rank_id, pieces in received.items():
         if batched:
             plans[rank_id].write_many(params[rank_id], pieces)

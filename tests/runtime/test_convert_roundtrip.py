@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from colocate_runtime.convert import (
-    ModelSpec,
+    ModelDims,
     SGLangLayout,
     canonical_tensors,
     fuse_query_groups,
@@ -29,7 +29,7 @@ SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[Healt
 
 @dataclass(frozen=True)
 class Case:
-    spec: ModelSpec
+    spec: ModelDims
     par: Parallel
 
 
@@ -56,7 +56,7 @@ def pipelines(draw: st.DrawFn) -> tuple[Parallel, int]:
 
 
 @st.composite
-def models(draw: st.DrawFn, num_layers: int | None = None) -> ModelSpec:
+def models(draw: st.DrawFn, num_layers: int | None = None) -> ModelDims:
     kv = draw(st.sampled_from([1, 2, 4]))
     layers = num_layers or draw(st.integers(1, 4))
     experts = draw(st.sampled_from([0, 2, 4]))
@@ -100,7 +100,7 @@ def trainer_cases(draw: st.DrawFn) -> Case:
 
 
 @st.composite
-def sglang_layouts(draw: st.DrawFn, spec: ModelSpec) -> SGLangLayout:
+def sglang_layouts(draw: st.DrawFn, spec: ModelDims) -> SGLangLayout:
     """SGLang layouts the model's shapes allow (KV heads are replicated when TP exceeds them)."""
     tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if spec.num_heads % t == 0]))
     moe = spec.moe
@@ -119,7 +119,7 @@ def sglang_layouts(draw: st.DrawFn, spec: ModelSpec) -> SGLangLayout:
     )
 
 
-def convert_all(spec: ModelSpec, canonical: dict[str, torch.Tensor], par: Parallel) -> list:
+def convert_all(spec: ModelDims, canonical: dict[str, torch.Tensor], par: Parallel) -> list:
     layout = par.layout(spec.num_layers)
     return [
         piece

@@ -11,7 +11,7 @@ from colocate_runtime.convert import (
     MegatronParam,
     MegatronRank,
     MissingTensorError,
-    ModelSpec,
+    ModelDims,
     PipelineLayout,
     SGLangLayout,
     SGLangParam,
@@ -22,6 +22,7 @@ from colocate_runtime.convert import (
     model_spec,
     trainer_plan,
 )
+from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.shards import Box
 from tests.runtime.canonical_pieces import assemble, deliver, origin_tensors
 from tests.runtime.megatron_layout import Parallel, megatron_chunks
@@ -60,7 +61,7 @@ DEEPSEEK_V3 = dict(
 )
 
 
-def small_qwen3(**overrides: object) -> ModelSpec:
+def small_qwen3(**overrides: object) -> ModelDims:
     config = dict(
         model_type="qwen3",
         hidden_size=6,
@@ -76,7 +77,7 @@ def small_qwen3(**overrides: object) -> ModelSpec:
     return model_spec({**config, **overrides})
 
 
-def small_bailing(**overrides: object) -> ModelSpec:
+def small_bailing(**overrides: object) -> ModelDims:
     config = dict(
         model_type="bailing_moe",
         hidden_size=8,
@@ -103,7 +104,7 @@ def megatron_param(plan: TrainerRankPlan, name: str) -> MegatronParam:
     return next(p for chunk in plan.chunks for p in chunk.params if p.names[0] == name)
 
 
-def sglang_param(spec: ModelSpec, layout: SGLangLayout, rank: int, name: str) -> SGLangParam:
+def sglang_param(spec: ModelDims, layout: SGLangLayout, rank: int, name: str) -> SGLangParam:
     return next(p for p in inference_plan(spec, layout, rank).params if p.name == name)
 
 
@@ -111,7 +112,7 @@ def code(part: int, head: int, row: int, col: int = 0) -> float:
     return part * 10_000 + head * 100 + row * 10 + col
 
 
-def grouped_qkv(spec: ModelSpec, groups: range, with_cols: bool) -> torch.Tensor:
+def grouped_qkv(spec: ModelDims, groups: range, with_cols: bool) -> torch.Tensor:
     """Megatron's linear_qkv by definition: per query group, its q heads, then its k head, then its v head;
     each element encodes (part, global head, row in head, column)."""
     qpg, d = spec.num_heads // spec.num_kv_heads, spec.head_dim
@@ -223,7 +224,7 @@ def test_mla_fused_qkv_a_is_the_plain_concatenation_on_every_rank() -> None:
         assert up.pieces[0].shard.box == Box((tp_rank * 64 * 192, 0), (64 * 192, 1536))
 
 
-def tiny_deepseek(dtype: str = "float64", q_lora_rank: int | None = 6) -> ModelSpec:
+def tiny_deepseek(dtype: str = "float64", q_lora_rank: int | None = 6) -> ModelDims:
     return model_spec(
         dict(
             model_type="deepseek_v3",
@@ -246,7 +247,7 @@ def tiny_deepseek(dtype: str = "float64", q_lora_rank: int | None = 6) -> ModelS
     )
 
 
-def trainer_pieces(spec: ModelSpec, canonical: dict[str, torch.Tensor], par: Parallel) -> list:
+def trainer_pieces(spec: ModelDims, canonical: dict[str, torch.Tensor], par: Parallel) -> list:
     layout = par.layout(spec.num_layers)
     return [
         piece
@@ -303,7 +304,7 @@ def test_lightning_query_key_value_is_tp_sharded_and_feeds_every_sglang_rank() -
     catalogue = canonical_tensors(spec)
     assert "model.layers.0.attention.g_norm.weight" in catalogue
     assert catalogue["model.layers.0.attention.g_norm.weight"].shape == (8,)  # 1-D, as SGLang holds it
-    canonical = {n: t.to(getattr(torch, catalogue[n].dtype)) for n, t in origin_tensors(catalogue).items()}
+    canonical = {n: t.to(torch_dtype(catalogue[n].dtype)) for n, t in origin_tensors(catalogue).items()}
     par = Parallel(tp=2, ep=2)
     for tp_rank in range(2):
         plan = trainer_plan(spec, par.layout(4), MegatronRank(tp_rank=tp_rank))
@@ -390,7 +391,7 @@ def test_tied_embeddings_have_one_canonical_tensor() -> None:
         trainer_plan(untied, Parallel().layout(2), MegatronRank()).convert(chunks)
 
 
-def small_qwen3_moe(num_experts: int = 8, dtype: str = "float64") -> ModelSpec:
+def small_qwen3_moe(num_experts: int = 8, dtype: str = "float64") -> ModelDims:
     return model_spec(
         dict(
             model_type="qwen3_moe",
@@ -460,7 +461,7 @@ def test_expert_bias_travels_as_fp32_and_keeps_small_updates() -> None:
     catalogue = canonical_tensors(spec)
     bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert catalogue[bias_name].dtype == "float32"
-    canonical = {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for n, t in catalogue.items()}
+    canonical = {n: torch.zeros(t.shape, dtype=torch_dtype(t.dtype)) for n, t in catalogue.items()}
     canonical[bias_name] = torch.full((4,), 1 + 2**-12, dtype=torch.float32)  # bf16 would round it to 1
     pieces = trainer_pieces(spec, canonical, Parallel(tp=2))
     bias = [data for shard, data in pieces if shard.name == bias_name]

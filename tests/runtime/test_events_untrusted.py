@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colocate_runtime.colocated import events as ev
+from colocate_runtime.contract import events as ev
 
 GOOD = ev.encode(ev.StepEvent(role="trainer", gen=1, step=3, phase="finished", result="ok", gpu="GPU-a"))
 

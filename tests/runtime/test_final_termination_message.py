@@ -6,19 +6,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from colocate_devcluster.localredis import RedisServer
 from colocate_operator.observed import PodState
 from colocate_runtime.colocated.config import ColocateConfig
-from colocate_runtime.colocated.events import (
+from colocate_runtime.colocated.wiring import connect, exporter_for
+from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
+from colocate_runtime.contract.events import (
     TERMINATION_LOG,
     final_termination_message,
     is_final_termination_message,
 )
-from colocate_runtime.colocated.wiring import connect, exporter_for
-from colocate_runtime.colocated.writer import WeightWriter, WriterSettings
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 
-def writer_with_log(redis_server: RedisServer, tmp_path: Path, log: Path) -> WeightWriter:  # noqa: F811
+def writer_with_log(redis_server: RedisServer, tmp_path: Path, log: Path) -> WeightWriter:
     env = {
         "COLOCATE_JOB_NAME": "rl-job",
         "COLOCATE_NAMESPACE": "team-a",
@@ -37,7 +37,7 @@ def writer_with_log(redis_server: RedisServer, tmp_path: Path, log: Path) -> Wei
 
 
 def test_finish_leaves_the_final_record_as_the_termination_message(
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
     tmp_path: Path,
 ) -> None:
     log = tmp_path / "termination-log"
@@ -67,7 +67,7 @@ def test_finish_leaves_the_final_record_as_the_termination_message(
 
 
 def test_a_failed_finish_or_a_machine_without_the_file_leaves_nothing(
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
     tmp_path: Path,
 ) -> None:
     absent = tmp_path / "no-such-log"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from colocate_runtime.colocated import events as ev
+from colocate_devcluster.localredis import RedisServer
+from colocate_devcluster.processes import free_port
 from colocate_runtime.colocated.config import ColocateConfig, ConfigError, MetaStoreAddress
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch
@@ -25,7 +27,8 @@ from colocate_runtime.colocated.metastore import (
     reader_identity,
     step_claim,
 )
-from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
+from colocate_runtime.contract import events as ev
+from tests.runtime.colocated_env import open_store
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = KeySchema("ns1", "job1")
@@ -34,13 +37,11 @@ ME = step_claim(reader_identity("host-a", 4242, "t0k3n"), "proof-1")
 
 
 @pytest.fixture
-def store(redis_server: RedisServer) -> MetaStore:  # noqa: F811
-    s = MetaStore.connect(redis_server.address, KEYS, key_ttl_s=30)
-    yield s
-    s.close()
+def store(redis_server: RedisServer) -> Iterator[MetaStore]:
+    yield from open_store(redis_server, KEYS)
 
 
-def test_wrong_password_is_refused_without_leaking_it(redis_server: RedisServer) -> None:  # noqa: F811
+def test_wrong_password_is_refused_without_leaking_it(redis_server: RedisServer) -> None:
     bad = MetaStoreAddress("127.0.0.1", redis_server.port, "not-the-password-xyz")
     with pytest.raises(MetaStoreAuthError) as err:
         MetaStore.connect(bad, KEYS)
@@ -57,7 +58,7 @@ def test_unreachable_redis_is_a_clear_error() -> None:
 
 def test_manifest_publish_is_nx_idempotent_and_notifies_once(
     store: MetaStore,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     gen = store.start_incarnation(UUID)
     assert store.publish_manifest(gen, 1, UUID, b"m1") is True
@@ -73,7 +74,7 @@ def test_manifest_publish_is_nx_idempotent_and_notifies_once(
         assert 0 < ttl <= 30_000, key
 
 
-def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
+def test_every_step_key_has_a_ttl(store: MetaStore, redis_server: RedisServer) -> None:
     gen = store.start_incarnation(UUID)
     store.publish_manifest(gen, 1, UUID, b"m")
     store.publish_manifest(gen, 2, UUID, b"m")
@@ -171,7 +172,7 @@ def test_heartbeat_expires_and_watch_declares_death(store: MetaStore) -> None:
     assert watch.dead()
 
 
-def test_redis_restart_is_detected_and_gen_restored(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
+def test_redis_restart_is_detected_and_gen_restored(store: MetaStore, redis_server: RedisServer) -> None:
     gen = store.start_incarnation(UUID)
     run_id = store.server_run_id()
     redis_server.restart()
@@ -255,7 +256,7 @@ def test_config_from_env_validates_and_hides_the_password() -> None:
 
 def test_only_the_claimant_can_ack_and_a_stray_value_cannot_lock_it_out(
     store: MetaStore,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     gen = store.start_incarnation(UUID)
     other = step_claim(reader_identity("host-a", 4243, "0th3r"), "proof-x")
@@ -293,7 +294,7 @@ def test_only_the_claimant_can_ack_and_a_stray_value_cannot_lock_it_out(
         store.write_ack(gen, 1, UUID, Ack(status="error", ipc_closed=True, reader=ME, proof="proof-1"))
 
 
-def test_a_malformed_ack_is_a_clear_error_not_a_crash(store: MetaStore, redis_server: RedisServer) -> None:  # noqa: F811
+def test_a_malformed_ack_is_a_clear_error_not_a_crash(store: MetaStore, redis_server: RedisServer) -> None:
     gen = store.start_incarnation(UUID)
     client = redis_server.client()
     for junk in (

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.bits import copy_bits
 from colocate_runtime.colocated import strided
 from colocate_runtime.colocated.buckets import (
@@ -45,8 +46,9 @@ from colocate_runtime.convert import (
     model_spec,
     trainer_plan,
 )
+from colocate_runtime.shards import Box
 from tests.runtime.canonical_pieces import deliver, deliver_local, flat_bytes, sglang_arena
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.runtime.colocated_env import shm_config
 
 
 def gathered(r: strided.Runs, memory: torch.Tensor) -> torch.Tensor:
@@ -83,7 +85,7 @@ def test_sub_boxes_of_a_strided_piece_select_the_right_bytes(seed: int) -> None:
     lengths = (rng.randint(1, groups * rows - offsets[0]), rng.randint(1, cols - offsets[1]))
     whole = strided.runs(view.storage_offset() * 2, view.shape, view.stride(), 2)
     part = strided.select(whole, strided.box_ranges(logical.shape, offsets, lengths, 2))
-    want = logical[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]]
+    want = logical[Box(offsets, lengths).slices()]
     assert torch.equal(gathered(part, flat_bytes(fused)), want.contiguous().view(-1).view(torch.uint8))
 
 
@@ -253,20 +255,8 @@ def test_manifest_carries_views_and_refuses_ones_that_leave_their_storage() -> N
 
 
 @pytest.fixture
-def cfg(redis_server: RedisServer, tmp_path):  # noqa: F811
-    from colocate_runtime.colocated.config import ColocateConfig
-
-    return ColocateConfig.from_env(
-        {
-            "COLOCATE_JOB_NAME": "rl-job",
-            "COLOCATE_NAMESPACE": "team-a",
-            **redis_server.env(),
-            "COLOCATE_TRANSPORT": "SharedMemory",
-            "COLOCATE_SHM_DIR": str(tmp_path / "shm"),
-            "COLOCATE_STEP_TIMEOUT_SECONDS": "5",
-            "COLOCATE_HEARTBEAT_TTL_SECONDS": "1",
-        }
-    )
+def cfg(redis_server: RedisServer, tmp_path):
+    return shm_config(redis_server, tmp_path / "shm")
 
 
 def many_tensors(step: int) -> dict[str, torch.Tensor]:

@@ -30,11 +30,14 @@ def test_in_place_step_installs_the_reference_conversion_bit_for_bit() -> None:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert {r["mode"] for r in rows} == {"inplace", "separate", "packed"}
+    assert {r["mode"] for r in rows} == {"inplace", "kept", "separate", "packed"}
     by_mode = {r["mode"]: r for r in rows}
     assert all(r["bitwise"] for r in rows), rows
-    # In place: the Megatron-style buffer is one exported storage and nothing is packed.
-    assert by_mode["inplace"]["handles"] == 1 and by_mode["inplace"]["packed_gb"] == 0
+    # In place: the Megatron-style buffer is one exported storage and nothing is packed; kept: the same, and
+    # the reader keeps that mapping from step to step (each step writes new bytes: the last must arrive).
+    for mode in ("inplace", "kept"):
+        assert by_mode[mode]["handles"] == 1 and by_mode[mode]["packed_gb"] == 0
+    assert by_mode["kept"]["kept"] == 1 and by_mode["inplace"]["kept"] == 0
     assert by_mode["separate"]["handles"] >= 1  # min-adopt 0: even single parameters are exported
 
 

@@ -25,9 +25,9 @@ from colocate_runtime.p2p.config import ExecutorConfig
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box, split_extent
 from colocate_runtime.p2p.peers import meeting_round, num_rounds, partner
 from colocate_runtime.p2p.plan import (
-    Plan,
     PlanError,
     Transfer,
+    TransferPlan,
     build_plan,
     describe_shards,
     fingerprint,
@@ -45,7 +45,9 @@ def param(
     return ParamShards(name, shape, dtype, tuple(sorted(shards, key=lambda s: s[0])))
 
 
-def coverage_counts(plan: Plan, receivers: Layout) -> dict[tuple[str, int], dict[tuple[int, ...], int]]:
+def coverage_counts(
+    plan: TransferPlan, receivers: Layout
+) -> dict[tuple[str, int], dict[tuple[int, ...], int]]:
     """For every receiver shard, how often each of its elements is written by the plan."""
     counts: dict[tuple[str, int], dict[tuple[int, ...], int]] = {}
     for t in plan.transfers:
@@ -56,7 +58,7 @@ def coverage_counts(plan: Plan, receivers: Layout) -> dict[tuple[str, int], dict
     return counts
 
 
-def assert_exact_cover(plan: Plan, senders: Layout, receivers: Layout) -> None:
+def assert_exact_cover(plan: TransferPlan, senders: Layout, receivers: Layout) -> None:
     counts = coverage_counts(plan, receivers)
     send = senders.by_name()
     for p in receivers.params:
@@ -193,7 +195,7 @@ def test_plan_is_deterministic_and_hash_survives_json() -> None:
     random.Random(7).shuffle(shuffled)
     again = build_plan(Layout.of(shuffled), Layout.from_json(json.loads(json.dumps(receivers.to_json()))))
     assert again.hash() == plan.hash()
-    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert TransferPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
     other = inference_layout(model, tp=2, ranks=range(6))
     assert build_plan(senders, other).hash() != plan.hash()
 
@@ -293,7 +295,9 @@ def test_chunks_respect_the_budget_and_tile_every_transfer(
     pieces = [t for c in chunk_plan.chunks for t in c]
     remote = [t for t in plan.transfers if not t.is_local]
     assert sum(t.numel for t in pieces) == sum(t.numel for t in remote)
-    assert_exact_cover(Plan(tuple(pieces) + chunk_plan.local, plan.min_world_size), senders, receivers)
+    assert_exact_cover(
+        TransferPlan(tuple(pieces) + chunk_plan.local, plan.min_world_size), senders, receivers
+    )
     # Both ends of every pair see the same slices at the same offsets, and packed buffers fit the budget.
     world = plan.min_world_size + world_extra
     schedules = [rank_schedule(chunk_plan, r, world) for r in range(world)]

@@ -17,6 +17,8 @@ import pytest
 import requests
 import torch
 
+from colocate_devcluster.localredis import RedisServer
+from colocate_devcluster.processes import free_port
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.sglang import versions
@@ -24,7 +26,6 @@ from colocate_runtime.sglang.client import HttpPolicy, SGLangClient, SGLangError
 from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
 from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout, StepNotInstalled
 from colocate_runtime.sglang.standin import StandinState, TinyLM, serve
-from tests.runtime.redis_fixture import RedisServer, free_port, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 FAST = HttpPolicy(timeout_s=5, update_timeout_s=30, retries=3, backoff_s=0.05, max_backoff_s=0.2)
@@ -155,7 +156,7 @@ def test_bounded_retries_and_refusals(standin) -> None:
 
 
 @pytest.fixture
-def colocated_env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:  # noqa: F811
+def colocated_env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
     return {
         "COLOCATE_JOB_NAME": "rl-job",
         "COLOCATE_NAMESPACE": "team-a",

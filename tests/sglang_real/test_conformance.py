@@ -26,16 +26,17 @@ import pytest
 import requests
 import torch
 
-from colocate_runtime.colocated import events as ev
+from colocate_devcluster.localredis import RedisServer
+from colocate_devcluster.processes import free_port
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.preflight import PreflightFailed
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.colocated.writer import WeightWriter
+from colocate_runtime.contract import events as ev
 from colocate_runtime.sglang import versions
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient, SGLangError
 from colocate_runtime.sglang.loader import INIT_LOADER_PATH, LOADER_PATH
 from colocate_runtime.sglang.rollout import EMPTY_PAYLOAD, ColocatedRollout, StepNotInstalled
-from tests.runtime.redis_fixture import RedisServer, free_port, module_redis_server  # noqa: F401
 from tests.sglang_real import server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -74,7 +75,7 @@ class Engine:
 @pytest.fixture(scope="module", params=versions.PINNED)
 def engine(
     request: pytest.FixtureRequest,
-    module_redis_server: RedisServer,  # noqa: F811
+    module_redis_server: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Engine]:
     version = request.param

@@ -16,9 +16,9 @@ import psutil
 import pytest
 import requests
 
+from colocate_devcluster.processes import free_port
 from colocate_runtime.sglang import serve
 from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
-from tests.runtime.redis_fixture import free_port
 from tests.sglang_real import server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -46,6 +46,9 @@ Readers treat entries as untrusted (any container of the job can write them): `d
 more than 32 fields, a key or value over 1024 bytes, bytes that are not UTF-8, `gpu` or `weight_version` over
 128 characters, counts outside [0, 2**62) or non-finite numbers, always with an `EventError`.
 
+Writers make events through one `EventSource` (their role, replica, rank and GPU) so that no two assemble
+them differently.
+
 For status, the operator needs only the trainer's `finished`, `failed`, `final` and `preflight` records: a
 step is complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that
 step.
@@ -56,8 +59,11 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from colocate_runtime.contract.jobkeys import job_prefix
 
 SCHEMA_VERSION = 1
 STREAM_MAXLEN = 10_000
@@ -131,7 +137,7 @@ def is_final_termination_message(text: str | None) -> bool:
 
 
 def stream_key(namespace: str, job: str) -> str:
-    return f"colocate:{namespace}:{job}:events"
+    return f"{job_prefix(namespace, job)}:events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +169,75 @@ class StepEvent:
             raise EventError(f"result {self.result!r} is not one of {RESULTS}")
         if self.reason and self.reason not in PREFLIGHT_REASONS:
             raise EventError(f"reason {self.reason!r} is not one of {PREFLIGHT_REASONS}")
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """The process writing events (its role, pod, rank and GPU, the same on each of them): the one place
+    events are made, so every writer fills the identity fields alike."""
+
+    role: str
+    replica: int = 0
+    rank: int = 0
+    gpu: str = ""
+
+    def event(
+        self,
+        gen: int,
+        step: int,
+        phase: str,
+        *,
+        result: str = "",
+        seconds: float = 0.0,
+        phase_seconds: Mapping[str, float] | None = None,
+        nbytes: int = 0,
+        handles: int = 0,
+        weight_version: str = "",
+        final: bool = False,
+        error: str = "",
+        reason: str = "",
+    ) -> StepEvent:
+        return StepEvent(
+            role=self.role,
+            gen=gen,
+            step=step,
+            phase=phase,
+            result=result,
+            seconds=seconds,
+            phase_seconds=dict(phase_seconds or {}),
+            bytes=nbytes,
+            handles=handles,
+            replica=self.replica,
+            rank=self.rank,
+            gpu=self.gpu,
+            weight_version=weight_version,
+            final=final,
+            error=error,
+            reason=reason,
+        )
+
+    def preflight(
+        self,
+        gen: int,
+        *,
+        nbytes: int,
+        seconds: float = 0.0,
+        result: str = "",
+        reason: str = "",
+        error: str = "",
+    ) -> StepEvent:
+        """A preflight record: step 0 of incarnation `gen`, one buffer of `nbytes` (the module docstring)."""
+        return self.event(
+            gen,
+            0,
+            "preflight",
+            result=result,
+            seconds=seconds,
+            nbytes=nbytes,
+            handles=1,
+            reason=reason,
+            error=error,
+        )
 
 
 def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
