@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from colocate_devcluster.cluster import STATE_FILE, Cluster, ClusterError, ClusterSpec
+from colocate_devcluster.cluster import GANG_SCHEDULING, STATE_FILE, Cluster, ClusterError, ClusterSpec
+from colocate_devcluster.kueue import Kueue
 from colocate_devcluster.processes import ComponentError, http_ok
 
 
@@ -22,11 +23,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpu-nodes", type=int, default=4, help="fake GPU nodes to create (default 4)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per fake node (default 8)")
+    parser.add_argument(
+        "--feature-gates",
+        default="",
+        help="feature gates for the apiserver, controller-manager and scheduler, e.g. GenericWorkload=true",
+    )
+    parser.add_argument(
+        "--gang-scheduling",
+        action="store_true",
+        help="serve the Workload/PodGroup API and run the scheduler's gang plugin (GenericWorkload gate)",
+    )
+    parser.add_argument(
+        "--kueue",
+        action="store_true",
+        help="also run Kueue (built by scripts/build-tools.sh) with its CRDs and webhooks",
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir.resolve()
     try:
         if args.command == "up":
-            cluster = Cluster(ClusterSpec(workdir, args.gpu_nodes, args.gpus_per_node)).start()
+            gates = tuple(g for g in args.feature_gates.split(",") if g)
+            runtime_config: tuple[str, ...] = ()
+            if args.gang_scheduling:
+                gates += GANG_SCHEDULING["feature_gates"]
+                runtime_config = GANG_SCHEDULING["runtime_config"]
+            spec = ClusterSpec(
+                workdir,
+                args.gpu_nodes,
+                args.gpus_per_node,
+                feature_gates=gates,
+                runtime_config=runtime_config,
+            )
+            cluster = Cluster(spec).start()
+            if args.kueue:
+                try:
+                    Kueue(cluster).start()
+                except BaseException:
+                    cluster.stop()
+                    raise
             print(f"export KUBECONFIG={cluster.kubeconfig}")
             print(
                 f"# kubectl and helm: {cluster.bin_dir}; stop with: python -m colocate_devcluster down",

@@ -39,3 +39,27 @@ def find_bin_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
         f"no complete set of control-plane binaries ({', '.join(REQUIRED)}) under {CACHE_ROOT}; "
         "run `make setup` to build them from Go modules, or point COLOCATE_BIN_DIR at prebuilt ones"
     )
+
+
+KUEUE_FILES = ("kueue", "webhooks.yaml", "crds")
+
+
+def find_kueue_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Kueue's directory (its binary, CRDs and webhook manifests): explicit, else $COLOCATE_KUEUE_DIR, else
+    the newest complete one scripts/build-tools.sh left in the cache. Raises MissingBinaries with the fix."""
+    chosen = explicit or os.environ.get("COLOCATE_KUEUE_DIR")
+    candidates = (
+        [Path(chosen)]
+        if chosen
+        else sorted(CACHE_ROOT.glob("kueue-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    )
+    for directory in candidates:
+        if directory.name.endswith(".tmp"):
+            continue  # a build in progress
+        if all((directory / f).exists() for f in KUEUE_FILES) and os.access(directory / "kueue", os.X_OK):
+            return directory
+    where = chosen or f"{CACHE_ROOT}/kueue-*"
+    raise MissingBinaries(
+        f"no complete Kueue build ({', '.join(KUEUE_FILES)}) in {where}; run `bash scripts/build-tools.sh` "
+        "(it builds Kueue from tools/kueue) or point COLOCATE_KUEUE_DIR at one"
+    )

@@ -4,6 +4,7 @@ kube-scheduler and kwok, seeded with fake GPU nodes that offer both `nvidia.com/
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -38,12 +39,32 @@ class ClusterSpec:
     extra_apiserver_args: tuple[str, ...] = ()
     # Appended to kube-controller-manager's command line, e.g. controllers a benchmark turns off.
     extra_controller_manager_args: tuple[str, ...] = ()
+    # Feature gates for the apiserver, controller-manager and scheduler, e.g. ("GenericWorkload=true",).
+    feature_gates: tuple[str, ...] = ()
+    # API group versions the apiserver serves beyond its defaults, e.g. ("scheduling.k8s.io/v1beta1=true",).
+    runtime_config: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gpu_nodes < 0 or self.gpus_per_node < 1:
             raise ClusterError(
                 f"need gpu_nodes >= 0 and gpus_per_node >= 1, got {self.gpu_nodes}, {self.gpus_per_node}"
             )
+        bad = [g for g in self.feature_gates if not re.fullmatch(r"[A-Za-z0-9]+=(true|false)", g)]
+        if bad:
+            raise ClusterError(f"feature gates must read Name=true or Name=false, got {bad}")
+
+    @property
+    def gate_args(self) -> tuple[str, ...]:
+        return (f"--feature-gates={','.join(self.feature_gates)}",) if self.feature_gates else ()
+
+
+# Native gang scheduling (Kubernetes 1.37): the Workload and PodGroup API (scheduling.k8s.io/v1beta1, a beta
+# API the apiserver serves only when asked) and the scheduler's GangScheduling plugin, both behind
+# GenericWorkload, off by default in 1.37.
+GANG_SCHEDULING = {
+    "feature_gates": ("GenericWorkload=true",),
+    "runtime_config": ("scheduling.k8s.io/v1beta1=true",),
+}
 
 
 @dataclass
@@ -235,6 +256,12 @@ class Cluster:
             "--service-cluster-ip-range=10.96.0.0/16",
             "--allow-privileged=true",
             "--profiling=false",
+            *self.spec.gate_args,
+            *(
+                (f"--runtime-config={','.join(self.spec.runtime_config)}",)
+                if self.spec.runtime_config
+                else ()
+            ),
             *self.spec.extra_apiserver_args,
         )
         self._ready["kube-apiserver"] = lambda: http_ok(
@@ -259,6 +286,7 @@ class Cluster:
             f"--cluster-signing-cert-file={pki.ca_cert}",
             f"--cluster-signing-key-file={pki.ca_key}",
             "--profiling=false",
+            *self.spec.gate_args,
             *self.spec.extra_controller_manager_args,
         )
         scheduler = self._component(
@@ -271,6 +299,7 @@ class Cluster:
             f"--secure-port={sched_port}",
             f"--cert-dir={self.workdir / 'scheduler-certs'}",
             "--profiling=false",
+            *self.spec.gate_args,
         )
         self._component(
             "kwok",
@@ -325,4 +354,4 @@ class Cluster:
         )
 
 
-__all__ = ["Cluster", "ClusterError", "ClusterSpec", "ComponentError"]
+__all__ = ["GANG_SCHEDULING", "Cluster", "ClusterError", "ClusterSpec", "ComponentError"]

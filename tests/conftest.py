@@ -1,7 +1,9 @@
-"""Session-wide fixtures: one real local control plane for all integration tests."""
+"""Fixtures shared by every test directory: one real local control plane for all integration tests, and a
+real redis-server (colocate_devcluster.localredis, the launcher the benches and the demo use too)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from colocate_devcluster import Cluster, ClusterSpec
+from colocate_devcluster.localredis import RedisServer, redis_binary
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +51,29 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}])
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def _started_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server not found (install Debian's redis-server or set COLOCATE_REDIS_SERVER)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"), binary).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A fresh redis-server per test: free 127.0.0.1 port, a password, no persistence, killed at teardown."""
+    with _started_redis(tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for a module's tests (those that share a slow-to-start peer, such as real SGLang)."""
+    with _started_redis(tmp_path_factory) as server:
+        yield server

@@ -9,11 +9,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from colocate_devcluster import Cluster
+from colocate_devcluster.localredis import RedisServer
 
 T = TypeVar("T")
 
@@ -40,6 +41,19 @@ def wait_for(probe: Callable[[], T], timeout: float, what: str, interval: float 
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}")
+
+
+def metastore_secret(cluster: Cluster, namespace: str, server: RedisServer, name: str = "ms") -> None:
+    """The Secret `name` in `namespace` with `server`'s password (key `password`), as a job's
+    `metaStore.external.passwordSecretRef` names it."""
+    cluster.kubectl(
+        "create", "secret", "generic", name, "-n", namespace, f"--from-literal=password={server.password}"
+    )
+
+
+def external_metastore(server: RedisServer, secret: str = "ms") -> dict[str, Any]:
+    """A job's `spec.metaStore` for the test's own Redis `server`, its password in Secret `secret`."""
+    return {"mode": "External", "external": {"address": server.addr, "passwordSecretRef": {"name": secret}}}
 
 
 def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

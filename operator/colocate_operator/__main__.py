@@ -11,10 +11,16 @@ import argparse
 import logging
 import sys
 
-import kopf
+from colocate_operator import kubeauth
 
-from colocate_operator import handlers, metrics
-from colocate_operator.config import ConfigError, OperatorConfig
+# Before kopf is imported (it imports the kubernetes client library whenever it can): the library's 32 MiB
+# stay out of the process unless the kubeconfig's user needs one of its plugins.
+kubeauth.keep_client_library_out()
+
+import kopf  # noqa: E402
+
+from colocate_operator import handlers, metrics  # noqa: E402
+from colocate_operator.config import ConfigError, OperatorConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The HTTP client's debug logs would include request bodies (a Secret among them); keep them quiet.
     logging.getLogger("urllib3").setLevel(logging.WARNING)
-    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)  # where a kubeconfig plugin needs the library
     try:
         config = OperatorConfig.from_env()
     except ConfigError as e:
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     registry = kopf.get_default_registry()
-    handlers.register(registry, config)
+    handlers.register(registry, config, namespaces=args.namespace)
     kopf.run(
         registry=registry,
         standalone=args.peering is None,

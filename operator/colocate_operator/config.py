@@ -37,6 +37,8 @@ class OperatorConfig:
     # External meta-store addresses the operator may dial with a job's password (addresses.py); none: every
     # External job is refused.
     external_metastore_allow: AddressAllowList = field(default_factory=AddressAllowList)
+    # The cluster serves the Workload/PodGroup API (gang.py): set at start from API discovery, not the env.
+    native_gang: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:

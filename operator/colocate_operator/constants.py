@@ -25,10 +25,8 @@ LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 COMPONENT_WORKER: Final = "worker"
 COMPONENT_METASTORE: Final = "metastore"
 
-# Kueue plain pod groups (pods managed directly by a controller without a Job-level integration).
+# Kueue's queue label: on a job it names the LocalQueue the job's Workload waits in (kueue.py).
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
-KUEUE_POD_GROUP_LABEL: Final = "kueue.x-k8s.io/pod-group-name"
-KUEUE_POD_GROUP_COUNT_ANNOTATION: Final = "kueue.x-k8s.io/pod-group-total-count"
 # Kueue topology-aware scheduling: all pods of the pod set in one domain of this level (or preferably so).
 KUEUE_REQUIRED_TOPOLOGY_ANNOTATION: Final = "kueue.x-k8s.io/podset-required-topology"
 KUEUE_PREFERRED_TOPOLOGY_ANNOTATION: Final = "kueue.x-k8s.io/podset-preferred-topology"
@@ -65,12 +63,13 @@ class Phase:
     PENDING: Final = "Pending"
     RUNNING: Final = "Running"
     RESTARTING: Final = "Restarting"
+    SUSPENDING: Final = "Suspending"  # suspend asked: the sync in flight and the checkpoint may finish
     SUSPENDED: Final = "Suspended"
     SUCCEEDED: Final = "Succeeded"
     FAILED: Final = "Failed"
 
     TERMINAL: Final = frozenset({SUCCEEDED, FAILED})
-    ALL: Final = (PENDING, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED)
+    ALL: Final = (PENDING, RUNNING, RESTARTING, SUSPENDING, SUSPENDED, SUCCEEDED, FAILED)
 
 
 class Cond:
@@ -83,10 +82,14 @@ class Cond:
     RESTARTING: Final = "Restarting"
     SUCCEEDED: Final = "Succeeded"
     FAILED: Final = "Failed"
+    # Only once SGLang restarted in place (its container alone; the trainer kept running): True when it serves
+    # again, False (EngineRestarting) while it comes back.
+    ENGINE_RECOVERED: Final = "EngineRecovered"
     # Written by the step-event consumer (weight-sync issue), never by the reconciler:
     WEIGHT_SYNC_HEALTHY: Final = "WeightSyncHealthy"
     PROGRESSING: Final = "Progressing"
     IPC_READY: Final = "IPCReady"  # every GPU passed the runtime's IPC preflight
+    ADMITTED: Final = "Admitted"  # only on a job Kueue queues (kueue.py): its Workload is admitted
 
     RECONCILED: Final = (
         META_STORE_READY,
@@ -94,8 +97,10 @@ class Cond:
         PODS_READY,
         SUSPENDED,
         RESTARTING,
+        ENGINE_RECOVERED,
         SUCCEEDED,
         FAILED,
+        ADMITTED,
     )
     ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING, IPC_READY)
 
@@ -125,9 +130,14 @@ class Reason:
     WAITING_FOR_BACKOFF: Final = "WaitingForBackoff"
     WAITING_FOR_OLD_PODS: Final = "WaitingForOldPods"
     WAITING_FOR_FINAL_RECORD: Final = "WaitingForFinalRecord"  # a pod exited; did the trainer finish?
+    # Admitted (a job with a Kueue queue; the message carries Kueue's own words)
+    QUEUED_BY_KUEUE: Final = "QueuedByKueue"  # waiting for quota: no pods
+    ADMITTED_BY_KUEUE: Final = "AdmittedByKueue"
+    EVICTED_BY_KUEUE: Final = "EvictedByKueue"  # also Suspended's reason: Kueue took the quota back
     # Suspended
     SUSPENDED_BY_USER: Final = "SuspendedByUser"
     NOT_SUSPENDED: Final = "NotSuspended"
+    WAITING_FOR_CHECKPOINT: Final = "WaitingForCheckpoint"  # False while the pods finish the step
     # Restarting (True while a whole-group restart is in progress)
     POD_FAILED: Final = "PodFailed"
     POD_DELETED: Final = "PodDeleted"
@@ -136,6 +146,10 @@ class Reason:
     PLACEMENT_TIMEOUT: Final = "PlacementTimeout"  # a partly placed group released its GPUs
     META_STORE_PASSWORD_CHANGED: Final = "MetaStorePasswordChanged"  # its Secret was deleted and made anew
     GROUP_RUNNING: Final = "GroupRunning"
+    ENGINE_EXITED: Final = "EngineExited"  # SGLang exited and this cluster cannot restart it alone
+    # EngineRecovered
+    ENGINE_RESTARTING: Final = "EngineRestarting"
+    ENGINE_SERVING: Final = "EngineServing"
     # Failed / Succeeded
     MAX_RESTARTS_EXCEEDED: Final = "MaxRestartsExceeded"
     DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
@@ -157,9 +171,11 @@ class Reason:
     CREATED_PODS: Final = "CreatedPods"
     FAILED_TO_CREATE: Final = "FailedToCreate"
     RESTARTING_GROUP: Final = "RestartingGroup"
+    ENGINE_RESTARTED: Final = "EngineRestarted"  # SGLang restarted in place; no group restart
     DELETED_PODS: Final = "DeletedPods"
     FORCE_DELETED_POD: Final = "ForceDeletedPod"
     RESUMED: Final = "Resumed"
+    SUSPENDING: Final = "Suspending"
     JOB_RUNNING: Final = "JobRunning"
     JOB_FAILED: Final = "JobFailed"
     JOB_SUCCEEDED: Final = "JobSucceeded"

@@ -14,28 +14,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from colocate_operator import conditions, disruption, gpus, metastore, names, pods
+from colocate_operator import conditions, disruption, gang, gpus, kueue, metastore, names, pods, steps
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
 from colocate_operator.observed import ClaimState, Observed, PodState, child_key
 from colocate_operator.spec import ColocateJob
+from colocate_operator.status import final_step_recorded
 
-# The status keys the reconciler writes; weightSync and recentSteps belong to the step-event consumer.
-OWNED_STATUS_KEYS = (
-    "phase",
-    "observedGeneration",
-    "restarts",
-    "groupCreated",
-    "ready",
-    "startTime",
-    "lastRestartTime",
-    "completionTime",
-    "replicas",
-    "metaStore",
-    "resourceClaims",
-    "conditions",
-)
 SOON = 1.0  # seconds: re-check after creating or deleting, when no watch event may come
 NAME_TAKEN_RECHECK = 10.0  # a child name held by someone else: look again now and then, not at 1 Hz
 FINISHED = ("Succeeded", "Failed")
@@ -55,6 +41,18 @@ class PodRef:
 
 
 @dataclass(frozen=True)
+class CheckpointWrite:
+    """What a suspend writes into the job's meta-store (checkpoints.py), after any persist-first status write
+    and before anything else: a checkpoint request, or on resume the request withdrawn and the resume step
+    put back if the store lost it (contract/checkpoint.py)."""
+
+    request_id: str | None = None
+    reason: str = ""
+    withdraw: bool = False
+    resume_step: int | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     status: dict[str, Any]
     creates: tuple[dict[str, Any], ...] = ()
@@ -64,6 +62,7 @@ class Plan:
     delete_job: bool = False
     events: tuple[EventSpec, ...] = ()
     requeue_after: float | None = None
+    checkpoint: CheckpointWrite | None = None
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -99,6 +98,8 @@ class _Pass:
     events: list[EventSpec] = field(default_factory=list)
     force_deletes: list[PodRef] = field(default_factory=list)
     wake: float | None = None  # seconds until a stuck pod is due for a forced deletion
+    checkpoint: CheckpointWrite | None = None
+    suspended_by: str = Reason.SUSPENDED_BY_USER  # or Kueue's eviction (_kueue_admission)
 
     @property
     def n(self) -> int:
@@ -136,7 +137,7 @@ def decide(
         "groupCreated": bool(status.get("groupCreated")),
         "metaStore": store.status(),
     }
-    for key in ("startTime", "lastRestartTime", "completionTime"):
+    for key in ("startTime", "lastRestartTime", "completionTime", "suspension"):
         if status.get(key):
             new[key] = status[key]
 
@@ -150,6 +151,7 @@ def decide(
     )
     stale = [pod for pod in observed.pods if pod not in current]
     _replica_status(p, new, current)
+    engine_back_soon = _engine_restarts(p, new, current)
     _force_delete_stuck(p, config)
 
     if phase in Phase.TERMINAL:
@@ -164,6 +166,8 @@ def decide(
         pods.headless_service(job),
         pods.network_policy(job),
         disruption.budget(job),
+        _kueue_workload(p, restarts, store, config),
+        *(gang.objects(job) if config.native_gang else ()),
     ]
     creates: list[dict[str, Any]] = [
         m
@@ -197,7 +201,9 @@ def decide(
     meta_ready = _metastore_condition(p, store)
 
     redis_restart = [PodRef(name, uid) for name, uid in observed.metastore_pods] if lost_secret else []
-    if spec.suspend:
+    # Kueue: no pods before its admission (hold); its eviction stops them through the suspend path.
+    kueue_stop, kueue_hold = _kueue_admission(p, current, new, phase)
+    if spec.suspend or kueue_stop:
         return _suspend(p, new, phase, creates, redis_restart)
     start = parse_time(status.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds
@@ -215,13 +221,14 @@ def decide(
     p.condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED)
     if phase == Phase.SUSPENDED:
         p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
+    _withdraw_checkpoint_request(p, phase)
 
     # Once the trainer recorded its final step the training is done: whatever the pods do next (exit 0, fail,
     # vanish) ends the job, never restarts it. `final_record` is the step follower's own answer, which may be
     # ahead of status (a restarted operator replays the stream; a status write can be backing off); a
     # trainer container's termination message holds the record even when the stream lost it.
     final_recorded = (
-        bool((status.get("weightSync") or {}).get("finalStepRecorded"))
+        final_step_recorded(status)
         or observed.final_record is True
         or any(pod.final_message for pod in current)
     )
@@ -311,6 +318,10 @@ def decide(
             requeue = _min_delay(requeue, (ready_at - now).total_seconds())
         elif gpus.uses_dra(job) and observed.device_class_found is False:
             pass  # reported by ResourcesAllocated below; pods would only sit unschedulable
+        elif kueue_hold:
+            pods_condition = Condition(
+                Cond.PODS_READY, False, Reason.QUEUED_BY_KUEUE, "pods are created once Kueue admits the job"
+            )
         elif not store.allowed:
             pass  # reported by MetaStoreReady: the pods would send the password to a refused address
         elif name_taken or not secret_ours:
@@ -320,7 +331,11 @@ def decide(
             )
             requeue = _min_delay(requeue, NAME_TAKEN_RECHECK)
         else:
-            store_pods = [pods.pod(job, i, restarts, store, config) for i in range(p.n) if i not in present]
+            store_pods = [
+                kueue.place(pods.pod(job, i, restarts, store, config), observed.workload_placement)
+                for i in range(p.n)
+                if i not in present
+            ]
             creates.extend(store_pods)
             new.setdefault("startTime", conditions.timestamp(now))
             p.event(
@@ -349,6 +364,8 @@ def decide(
             p.event("Normal", Reason.JOB_RUNNING, f"All {p.n} pods are ready (group restart {restarts})")
     else:
         new["phase"] = Phase.RESTARTING if restarting else Phase.PENDING
+        if engine_back_soon and phase == Phase.RUNNING and not restarting:
+            new["phase"] = Phase.RUNNING  # the trainer runs on while SGLang restarts in place
     if deletes:
         requeue = _min_delay(requeue, SOON)
     if deadline and start:  # wake up when the deadline passes, not at the next resync
@@ -481,12 +498,74 @@ def ipc_preflight_failure(job: ColocateJob, status: dict[str, Any]) -> str | Non
     return f"IPC preflight failed ({found.get('reason')}): {found.get('message') or 'no detail'}"
 
 
+def _engine_restarts(p: _Pass, new: dict[str, Any], current: list[PodState]) -> bool:
+    """Count SGLang's in-place restarts (the kubelet's restartCount of the rollout container) into
+    status.engineRestarts, and say on EngineRecovered whether it serves again. Such a restart is no group
+    restart: the trainer runs on and re-pushes its weights to the new engine (runtime/colocated/repush.py),
+    and runPolicy.maxRestarts is not spent. Returns whether an engine is coming back right now.
+
+    engineRestartsCounted holds the current group's restarts already counted: a count below it means new
+    pods (a resume), counted from zero."""
+    total = int(p.status.get("engineRestarts") or 0)
+    counted = int(p.status.get("engineRestartsCounted") or 0)
+    seen = sum(pod.engine_restarts for pod in current)
+    fresh = seen if seen < counted else seen - counted
+    if fresh:
+        total += fresh
+        restarted = [pod for pod in current if pod.engine_restarts]
+        codes = sorted(
+            {pod.engine_last_exit_code for pod in restarted if pod.engine_last_exit_code is not None}
+        )
+        p.event(
+            "Warning",
+            Reason.ENGINE_RESTARTED,
+            f"SGLang restarted in place in pod{'s' if len(restarted) > 1 else ''} "
+            f"{', '.join(pod.name for pod in restarted)}"
+            + (f" (exit code {', '.join(map(str, codes))})" if codes else "")
+            + "; the trainer keeps running and re-pushes its weights; no group restart",
+        )
+    if total or "engineRestarts" in p.status:
+        new["engineRestarts"] = total
+    if seen or "engineRestartsCounted" in p.status:
+        new["engineRestartsCounted"] = seen
+    if not total:
+        return False
+    coming = [
+        pod for pod in current if pod.engine_restarts and not pod.engine_ready and pod.phase == "Running"
+    ]
+    if coming:
+        pod = coming[0]
+        p.condition(
+            Cond.ENGINE_RECOVERED,
+            False,
+            Reason.ENGINE_RESTARTING,
+            f"the SGLang container of pod {pod.name} restarted in place ({pod.engine_restarts} times in this "
+            "group) and is not serving yet; the trainer re-pushes its weights once it is",
+        )
+    else:
+        p.condition(
+            Cond.ENGINE_RECOVERED,
+            True,
+            Reason.ENGINE_SERVING,
+            f"SGLang restarted in place {total} time{'s' if total != 1 else ''} and serves again; "
+            "runPolicy.maxRestarts was not spent on it",
+        )
+    return bool(coming)
+
+
 def _group_failure(job: ColocateJob, current: list[PodState], group_created: bool) -> tuple[str, str] | None:
     """Why the current group must be restarted (the final step is not recorded), or None. A missing pod
     counts only once all existed."""
     for pod in current:
         if pod.phase == "Failed":
             return (Reason.POD_EVICTED if pod.reason == "Evicted" else Reason.POD_FAILED), pod.describe()
+    for pod in current:
+        if pod.engine_exit_code not in (None, 0) and not pod.engine_restart_in_place:
+            return (
+                Reason.ENGINE_EXITED,
+                f"the SGLang container of pod {pod.name} exited with code {pod.engine_exit_code} and this "
+                "cluster does not restart a container alone (the ContainerRestartRules feature is off)",
+            )
     for pod in current:
         if pod.phase == "Succeeded":
             return (
@@ -644,19 +723,29 @@ def _resources_condition(p: _Pass, current: list[PodState]) -> None:
 def _suspend(
     p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]], redis_restart: list[PodRef]
 ) -> Plan:
+    if phase != Phase.SUSPENDED:
+        waiting = _drain(p, new, phase, creates)
+        if waiting is not None:
+            return waiting
     deletes = [PodRef(pod.name, pod.uid) for pod in p.observed.pods if not pod.deleting] + redis_restart
     # Like a Job's: the active deadline counts from the (re)start, so a suspended job (a Kueue-preempted one,
     # say) does not fail DeadlineExceeded as soon as it resumes. Pod creation on resume sets it again.
     new.pop("startTime", None)
     new.update(phase=Phase.SUSPENDED, groupCreated=False)
-    message = "pods deleted; meta-store, claim template and Services kept"
-    p.condition(Cond.SUSPENDED, True, Reason.SUSPENDED_BY_USER, message)
-    p.condition(Cond.PODS_READY, False, Reason.SUSPENDED_BY_USER, "suspended")
-    p.condition(Cond.RESOURCES_ALLOCATED, False, Reason.SUSPENDED_BY_USER, "suspended")
+    suspension = new.get("suspension") or {}
+    message = f"{_stopped(suspension)}; meta-store, claim template and Services kept"
+    p.condition(Cond.SUSPENDED, True, p.suspended_by, message)
+    p.condition(Cond.PODS_READY, False, p.suspended_by, "suspended")
+    p.condition(Cond.RESOURCES_ALLOCATED, False, p.suspended_by, "suspended")
     if conditions.find(p.status.get("conditions") or [], Cond.RESTARTING):
-        p.condition(Cond.RESTARTING, False, Reason.SUSPENDED_BY_USER, "suspended")
+        p.condition(Cond.RESTARTING, False, p.suspended_by, "suspended")
     if phase != Phase.SUSPENDED:
-        p.event("Normal", Reason.SUSPENDED_BY_USER, f"Suspended: deleting {len(deletes)} pods")
+        late = suspension.get("outcome") == "GracePeriodExpired"
+        p.event(
+            "Warning" if late else "Normal",
+            p.suspended_by,
+            f"Suspended: {_stopped(suspension)}; deleting {len(deletes)} pods",
+        )
     return _plan(
         p,
         new,
@@ -665,6 +754,120 @@ def _suspend(
         persist_first=phase != Phase.SUSPENDED,
         requeue_after=SOON if p.observed.pods else None,
     )
+
+
+# status.weightSync.currentPhase while a step's weights are on their way (between the trainer's publish and
+# its finished record); the step follower writes a phase change within its heartbeat (stepwatch.py).
+SYNC_IN_FLIGHT = frozenset(
+    steps.PHASE_NAMES[phase] for phase in ("published", "opened", "copied", "closed", "acked", "freed")
+)
+DRAIN_RECHECK = 2.0  # seconds between two looks at the checkpoint ACKs (each one a meta-store round trip)
+
+
+def _drain(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, Any]]) -> Plan | None:
+    """A suspend lets running pods end their step: the weight sync in flight finishes and every trainer rank
+    that registered for checkpoint requests checkpoints and acknowledges, within the grace period. Returns
+    the plan that waits, or None once the pods may go (`new["suspension"]` then says why and after which
+    step)."""
+    grace = p.job.spec.run_policy.suspend_grace_period_seconds
+    sync = p.status.get("weightSync") or {}
+    last_step = sync.get("lastCompletedStep")
+    previous = p.status.get("suspension") or {}
+    began = parse_time(previous.get("requestTime")) if phase == Phase.SUSPENDING else None
+    began = began or p.now
+    suspension: dict[str, Any] = {"requestTime": conditions.timestamp(began)}
+    live = [pod for pod in p.observed.pods if pod.owned and not pod.deleting and pod.phase == "Running"]
+    checkpoint = p.observed.checkpoint
+    ranks = checkpoint.ranks if checkpoint is not None and checkpoint.readable else frozenset()
+    request_id = suspension["requestTime"]
+    acks = {
+        rank: step
+        for rank, (ack_id, step) in (checkpoint.acks.items() if checkpoint is not None else ())
+        if rank in ranks and ack_id == request_id
+    }
+    in_flight = sync.get("currentPhase") in SYNC_IN_FLIGHT
+    outcome: str | None = None
+    if grace <= 0:
+        outcome = "Immediate"
+    elif ranks and len(acks) == len(ranks):
+        outcome = "Checkpointed"  # also when a trainer exited right after its ACK
+    elif not live:
+        outcome = "NoRunningPods"
+    elif not ranks and not in_flight:
+        outcome = "SyncFinished"
+    elif p.now >= began + timedelta(seconds=grace):
+        outcome = "GracePeriodExpired"
+    if ranks:
+        suspension["checkpointRequested"] = True
+    elif previous.get("checkpointRequested") and phase == Phase.SUSPENDING:
+        suspension["checkpointRequested"] = True  # the store stopped answering after the request was written
+    if outcome is not None:
+        suspension["outcome"] = outcome
+        if outcome == "Checkpointed":
+            suspension["checkpointStep"] = min(acks.values())
+            suspension["afterStep"] = max(min(acks.values()), last_step or 0)
+        elif last_step is not None:
+            suspension["afterStep"] = last_step
+        new["suspension"] = suspension
+        return None
+
+    deadline = began + timedelta(seconds=grace)
+    if ranks and checkpoint is not None and checkpoint.request_id != request_id:
+        p.checkpoint = CheckpointWrite(request_id=request_id, reason=_suspend_reason(p))
+    new["suspension"] = suspension
+    new["phase"] = Phase.SUSPENDING
+    if ranks:
+        waiting = f"{len(acks)}/{len(ranks)} trainer ranks acknowledged the checkpoint request"
+    else:
+        where = f" (step {last_step + 1})" if last_step is not None else ""
+        waiting = f"the weight sync in flight{where} is in phase {sync.get('currentPhase')}"
+        if checkpoint is not None and not checkpoint.readable:
+            waiting += "; the meta-store did not answer, so no checkpoint was requested"
+    message = (
+        f"suspend requested: {waiting}; the pods are deleted when it is done or at "
+        f"{conditions.timestamp(deadline)} (spec.runPolicy.suspendGracePeriodSeconds={grace})"
+    )
+    p.condition(Cond.SUSPENDED, False, Reason.WAITING_FOR_CHECKPOINT, message)
+    if phase != Phase.SUSPENDING:
+        p.event("Normal", Reason.SUSPENDING, f"Suspending: {message}")
+    return _plan(
+        p,
+        new,
+        creates=creates,
+        persist_first=phase != Phase.SUSPENDING,  # the grace period's start, before the request is written
+        requeue_after=min(DRAIN_RECHECK, max(0.0, (deadline - p.now).total_seconds())),
+    )
+
+
+def _suspend_reason(p: _Pass) -> str:
+    by = "evicted by Kueue" if p.suspended_by == Reason.EVICTED_BY_KUEUE else "suspended (spec.suspend)"
+    return f"ColocateJob {p.job.ref.namespace}/{p.job.ref.name} {by}"
+
+
+def _stopped(suspension: dict[str, Any]) -> str:
+    """Which step the pods stopped after and why then, from status.suspension (the same words every pass)."""
+    after = suspension.get("afterStep")
+    where = f"after step {after}" if after is not None else "before any step completed"
+    outcome = suspension.get("outcome")
+    why = {
+        "Checkpointed": f"the trainer checkpointed after step {suspension.get('checkpointStep')}",
+        "GracePeriodExpired": "the grace period ran out before the trainer acknowledged a checkpoint"
+        if suspension.get("checkpointRequested")
+        else "the grace period ran out before the weight sync in flight finished",
+        "SyncFinished": "no weight sync in flight and no trainer registered for checkpoint requests",
+        "NoRunningPods": "no pod was running",
+        "Immediate": "spec.runPolicy.suspendGracePeriodSeconds is 0",
+    }.get(outcome or "", "")
+    return f"pods deleted {where}" + (f" ({why})" if why else "")
+
+
+def _withdraw_checkpoint_request(p: _Pass, phase: str) -> None:
+    """On resume (or a suspend called off while it waited): the request a new trainer must not see goes, and
+    the resume step is put back if the store lost it, before any pod is created."""
+    suspension = p.status.get("suspension") or {}
+    if phase in (Phase.SUSPENDED, Phase.SUSPENDING) and suspension.get("checkpointRequested"):
+        step = suspension.get("checkpointStep") if phase == Phase.SUSPENDED else None
+        p.checkpoint = CheckpointWrite(withdraw=True, resume_step=step)
 
 
 def _restart(
@@ -684,6 +887,8 @@ def _restart(
         groupCreated=False,
         lastRestartTime=conditions.timestamp(p.now),
     )
+    if new.get("engineRestartsCounted"):
+        new["engineRestartsCounted"] = 0  # the new group's SGLang restarts count from zero
     detail = f"{message}; recreating all {p.n} pods (restart {restarts} of {limit})" + _backoff_capped(
         p.job, config
     )
@@ -757,16 +962,46 @@ def _plan(
         persist_first=persist_first,
         delete_job=delete_job,
         events=tuple(p.events),
+        checkpoint=p.checkpoint,
         requeue_after=_min_delay(requeue_after, p.wake, SOON if p.force_deletes else None),
     )
 
 
-def status_patch(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
-    """The merge patch turning `current` into `desired` for the reconciler's keys; {} if nothing changed."""
-    patch: dict[str, Any] = {}
-    for key in OWNED_STATUS_KEYS:
-        if key in desired and current.get(key) != desired[key]:
-            patch[key] = desired[key]
-        elif key not in desired and current.get(key) is not None:
-            patch[key] = None  # merge-patch null removes it
-    return patch
+def _kueue_workload(
+    p: _Pass, restarts: int, store: metastore.MetaStoreEndpoint, config: OperatorConfig
+) -> dict[str, Any] | None:
+    """A queued job's Workload while it has none; its pod set's template is the worker pod itself."""
+    if kueue.queue_name(p.job) is None or p.observed.workload is not None:
+        return None
+    worker = pods.pod(p.job, 0, restarts, store, config)
+    return kueue.workload(p.job, worker, p.observed.workload_priority)
+
+
+def _kueue_admission(p: _Pass, current: list[PodState], new: dict[str, Any], phase: str) -> tuple[bool, bool]:
+    """(stop, hold) for a job Kueue queues, and its Admitted condition. hold: no pods may be created (the
+    Workload is not admitted); stop: pods, or a group that ran, exist without admission (Kueue evicted it,
+    or its Workload went), so they go through the suspend path. (False, False) for a job without a queue."""
+    queue = kueue.queue_name(p.job)
+    if queue is None:
+        return False, False
+    state = p.observed.workload
+    name = kueue.workload_name(p.job.ref.name)
+    if state is None:
+        reason, message = Reason.QUEUED_BY_KUEUE, f"Workload {name} created in LocalQueue {queue}"
+    elif not state.owned:
+        reason = Reason.NAME_TAKEN
+        message = f"Workload {name} exists and is not this job's; no pods until it is gone"
+    elif state.evicted:  # before admitted: Kueue keeps Admitted True until the job gave its quota back
+        reason = Reason.EVICTED_BY_KUEUE
+        message = f"Kueue evicted Workload {name} ({state.evicted_reason}): {state.message}"
+    elif state.admitted:
+        where = f" by ClusterQueue {state.cluster_queue}" if state.cluster_queue else ""
+        p.condition(Cond.ADMITTED, True, Reason.ADMITTED_BY_KUEUE, f"Workload {name} admitted{where}")
+        return False, False
+    else:
+        reason, message = Reason.QUEUED_BY_KUEUE, f"Workload {name} in LocalQueue {queue}: {state.message}"
+    p.condition(Cond.ADMITTED, False, reason, message)
+    ran = bool(current or p.observed.pods or new["groupCreated"]) or phase not in (Phase.PENDING,)
+    if ran:
+        p.suspended_by = Reason.EVICTED_BY_KUEUE
+    return ran, True

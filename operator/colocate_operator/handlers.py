@@ -1,5 +1,7 @@
 """kopf wiring, deliberately thin: every trigger only queues the job's key for the Reconciler's workers.
 
+Job events also feed the watch-fed indexes a pass reads (indexes.py); worker pods come through their own
+watch (podwatch.py), which feeds the pod index and queues the job.
 Triggers: watch events of the job (first sight, including the operator's start, and changes of its spec
 or labels), of its pods and of its Redis Deployment (only when something a decision reads changed: phase,
 readiness, scheduling, deletion), a job whose IPC preflight failed in Fail mode (IPCReady is written by the
@@ -15,11 +17,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import kopf
 
-from colocate_operator import stepwatch
+from colocate_operator import gang, stepwatch
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     COMPONENT_METASTORE,
@@ -31,20 +34,17 @@ from colocate_operator.constants import (
     OPERATOR_NAME,
     PLURAL,
     VERSION,
-    Cond,
-    Phase,
 )
-from colocate_operator.decide import ipc_preflight_failure
 from colocate_operator.kube import Kube
-from colocate_operator.marks import EventMarks
+from colocate_operator.marks import EventMarks, ipc_preflight_failed
+from colocate_operator.podwatch import WORKER_SELECTOR, PodWatch
 from colocate_operator.reconciler import Reconciler
-from colocate_operator.spec import ColocateJob
 
 JOB = (GROUP, VERSION, PLURAL)
 # A job's pods change together (created, scheduled, started, ready in waves of numNodes events): one pass
 # for each wave instead of one per event. Bounds how late a pod failure is acted on.
 CHILD_EVENT_BATCH_SECONDS = 0.5
-_ROUTINE = re.compile(r"^Handler '(job|pod|metastore|steps)' succeeded\.$")
+_ROUTINE = re.compile(r"^Handler '(job|pod|metastore|steps|workload)' succeeded\.$")
 
 
 class EventOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -55,6 +55,9 @@ class EventOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
     def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
         return kopf.BodyEssence()
 
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None  # nothing is ever stored: no annotation to look up on every event
+
 
 class _DropRoutineSuccess(logging.Filter):
     """kopf logs every watched pod (and job) event as "succeeded" at INFO; with many jobs that is noise."""
@@ -63,27 +66,60 @@ class _DropRoutineSuccess(logging.Filter):
         return not (record.levelno <= logging.INFO and _ROUTINE.match(str(record.msg)))
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube | None = None) -> None:
-    """Register the handlers on `registry`; `kube` defaults to the environment's credentials at startup."""
+# The selector of the watches on what a job's worker pods bring along (their Kueue Workload).
+WORKER_PODS = {LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_WORKER}
+# The same selections as label selectors of kopf's watch requests themselves (the handlers keep theirs).
+SERVER_SIDE_SELECTORS = {
+    ("apps", "v1", "deployments"): f"{LABEL_JOB},{LABEL_COMPONENT}={COMPONENT_METASTORE}",
+    ("kueue.x-k8s.io", "v1beta2", "workloads"): WORKER_SELECTOR,
+}
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    """kopf's settings for this operator (a startup handler applies them)."""
+    # kopf's own log lines must not become Events; the reconciler posts its lifecycle Events itself.
+    settings.posting.level = logging.WARNING
+    settings.posting.loggers = False
+    settings.posting.reporting_component = OPERATOR_NAME
+    # Nothing is stored by kopf today (event handlers only); should that change, under our prefix.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = EventOnlyDiffBase(
+        prefix=KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: nothing requires one
+    settings.networking.connect_timeout = 10
+    # The API server filters the child watches to what the handlers below select: kopf would otherwise
+    # receive, parse and dispatch every pod (Deployment, Workload) of the watched namespaces.
+    for resource, selector in SERVER_SIDE_SELECTORS.items():
+        settings.watching.label_selectors[resource] = selector
+
+
+def register(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    kube: Kube | None = None,
+    namespaces: Sequence[str] = (),
+) -> None:
+    """Register the handlers on `registry`; `kube` defaults to the environment's credentials at startup;
+    `namespaces`: kopf's namespace patterns (none: cluster-wide), which the worker pods' watch follows too."""
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        # kopf's own log lines must not become Events; the reconciler posts its lifecycle Events itself.
-        settings.posting.level = logging.WARNING
-        settings.posting.loggers = False
-        settings.posting.reporting_component = OPERATOR_NAME
-        # Nothing is stored by kopf today (event handlers only); should that change, under our prefix.
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-        settings.persistence.diffbase_storage = EventOnlyDiffBase(
-            prefix=KOPF_PREFIX, key="last-handled-configuration"
-        )
-        settings.persistence.finalizer = f"{KOPF_PREFIX}/kopf-finalizer"  # unused: nothing requires one
-        settings.networking.connect_timeout = 10
+        configure_settings(settings)
         logging.getLogger("kopf.objects").addFilter(_DropRoutineSuccess())
-        memo.reconciler = Reconciler(kube or Kube.from_environment(), config)
+        api = kube or Kube.from_environment()
+        memo.reconciler = Reconciler(api, gang.discover(api, config))
         memo.marks = EventMarks()
         memo.stop = threading.Event()
         memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
+        # The worker pods' own watch (podwatch.py, not kopf's: its per-event machinery was most of the cost).
+        memo.pod_watch = PodWatch(
+            api,
+            memo.reconciler.indexes,
+            lambda ns, job: memo.reconciler.enqueue(ns, job, delay=CHILD_EVENT_BATCH_SECONDS),
+            namespaces,
+        )
+        memo.pod_watch.start(memo.stop)
         threading.Thread(
             target=memo.reconciler.resync_forever,
             name="resync",
@@ -96,26 +132,20 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         memo.stop.set()
         memo.reconciler.queue.close()
 
+    # The one handler of job events: the reconciler's index and queue, then the job's step follower (kopf's
+    # per-handler machinery costs about as much as the handler's own work, so one call, not two).
     @kopf.on.event(*JOB, id="job", registry=registry)
     async def job_event(event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        if "reconciler" not in memo:
-            return
         body = event.get("object") or {}
-        if memo.marks.job_changed(event.get("type"), namespace, name, body) or _ipc_preflight_failed(body):
-            memo.reconciler.enqueue(namespace, name)
-
-    @kopf.on.event(
-        "v1",
-        "pods",
-        id="pod",
-        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: COMPONENT_WORKER},
-        registry=registry,
-    )
-    async def pod_event(
-        event: dict[str, Any], labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any
-    ) -> None:
-        if "reconciler" in memo and memo.marks.pod_changed(event.get("type"), event.get("object") or {}):
-            memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
+        if "reconciler" in memo:
+            memo.reconciler.indexes.ready = True  # the pod index also waits for podwatch's first listing
+            if event.get("type") == "DELETED":
+                memo.reconciler.indexes.job_gone(namespace, name, (body.get("metadata") or {}).get("uid", ""))
+            else:
+                memo.reconciler.indexes.saw_job(body)
+            if memo.marks.job_changed(event.get("type"), namespace, name, body) or ipc_preflight_failed(body):
+                memo.reconciler.enqueue(namespace, name)
+        stepwatch.job_seen(memo, event.get("type"), body, namespace, name)
 
     @kopf.on.event(
         "apps",
@@ -134,20 +164,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig, kube: Kube
         if changed:
             memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
 
-    stepwatch.register(registry, config)
+    # A queued job's Workload (kueue.py): Kueue admitting or evicting it is the job's cue. Without Kueue's
+    # CRDs kopf serves nothing here (it logs that once) and picks the resource up when they appear.
+    @kopf.on.event(
+        "kueue.x-k8s.io",
+        "v1beta2",
+        "workloads",
+        id="workload",
+        labels=WORKER_PODS,
+        registry=registry,
+    )
+    async def workload_event(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        if "reconciler" in memo:
+            memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
+
+    stepwatch.register(registry, config, kube, watch_jobs=False)  # job_event above calls job_seen
 
     @kopf.on.probe(id="reconciles", registry=registry)
     def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:
         stats = memo.reconciler.stats
         return {"passes": stats.passes, "errors": stats.errors, "lastPass": stats.last_pass}
-
-
-def _ipc_preflight_failed(body: dict[str, Any]) -> bool:
-    """IPCReady is written by the step consumer, not through the spec: in Fail mode, fail the job at once
-    rather than at the next resync. The cheap test first: most events carry no failed IPCReady."""
-    status = body.get("status") or {}
-    if status.get("phase") in Phase.TERMINAL or not any(
-        c.get("type") == Cond.IPC_READY and c.get("status") == "False" for c in status.get("conditions") or []
-    ):
-        return False
-    return ipc_preflight_failure(ColocateJob.from_body(body), status) is not None

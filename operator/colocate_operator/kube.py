@@ -1,26 +1,40 @@
-"""A small synchronous JSON client over the kubernetes package's authenticated transport.
+"""A small synchronous JSON client of the API server: urllib3, with the credentials kopf resolves (kubeauth).
 
 Builders produce plain dicts; this client sends and returns plain dicts, so nothing converts between
-typed models and manifests. It never logs request or response bodies (a Secret passes through here).
+typed models and manifests (and the kubernetes client library, whose models alone take 32 MiB of memory,
+is not needed). It never logs request or response bodies (a Secret passes through here).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import ssl
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlencode
 
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
+import urllib3
 
+from colocate_operator import kubeauth
 from colocate_operator.constants import API_VERSION, PLURAL
+
+if TYPE_CHECKING:
+    import kopf
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 TIMEOUT = (5.0, 30.0)  # connect, read
+WATCH_SECONDS = 300  # a watch request's own end (the API server closes it; the watch goes on from there)
+# The first resourceVersion in an object's JSON is its own: the API server writes metadata before spec and
+# status, and name, namespace and uid (all before it) cannot hold a quote; a quote inside an annotation's
+# value is escaped, so it never matches.
+_RESOURCE_VERSION = re.compile(rb'"resourceVersion":"([^"]*)"')
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,17 @@ CLAIM_TEMPLATES = Kind("resource.k8s.io/v1", "resourceclaimtemplates")
 CLAIMS = Kind("resource.k8s.io/v1", "resourceclaims")
 DEVICE_CLASSES = Kind("resource.k8s.io/v1", "deviceclasses", namespaced=False)
 COLOCATE_JOBS = Kind(API_VERSION, PLURAL)
+# Kueue (only for jobs with a queue, kueue.py): the job's Workload and the priority classes it names.
+WORKLOADS = Kind("kueue.x-k8s.io/v1beta2", "workloads")
+WORKLOAD_PRIORITY_CLASSES = Kind("kueue.x-k8s.io/v1beta2", "workloadpriorityclasses", namespaced=False)
+RESOURCE_FLAVORS = Kind("kueue.x-k8s.io/v1beta2", "resourceflavors", namespaced=False)
+# Native gang scheduling (gang.py; Kubernetes 1.37, GenericWorkload gate): also a kind named Workload.
+GANG_WORKLOADS = Kind("scheduling.k8s.io/v1beta1", "workloads")
+POD_GROUPS = Kind("scheduling.k8s.io/v1beta1", "podgroups")
+BY_API_VERSION_KIND = {
+    (GANG_WORKLOADS.api_version, "Workload"): GANG_WORKLOADS,
+    (POD_GROUPS.api_version, "PodGroup"): POD_GROUPS,
+}
 
 BY_KIND = {
     "Pod": PODS,
@@ -65,6 +90,7 @@ BY_KIND = {
     "PodDisruptionBudget": DISRUPTION_BUDGETS,
     "ResourceClaimTemplate": CLAIM_TEMPLATES,
     "Event": EVENTS,
+    "Workload": WORKLOADS,
 }
 
 
@@ -76,24 +102,96 @@ class KubeError(Exception):
         self.message = message
 
 
+def _text(data: str | bytes) -> str:
+    return data.decode() if isinstance(data, bytes) else data
+
+
+def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext:
+    if info.insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        context = ssl.create_default_context(
+            cafile=os.fspath(info.ca_path) if info.ca_path else None,
+            cadata=_text(info.ca_data) if info.ca_data else None,  # PEM text (bytes would mean DER)
+        )
+    if info.certificate_path or info.certificate_data:
+        with tempfile.TemporaryDirectory(prefix="colocate-kube-") as tmp:  # 0700: the key never lies open
+            cert, key = info.certificate_path, info.private_key_path
+            if info.certificate_data:
+                cert = Path(tmp, "cert.pem")
+                cert.write_text(_text(info.certificate_data))
+            if info.private_key_data:
+                key = Path(tmp, "key.pem")
+                key.write_text(_text(info.private_key_data))
+            # Read now; the files are deleted with the directory.
+            context.load_cert_chain(os.fspath(cert), os.fspath(key) if key else None)
+    return context
+
+
+class _Transport:
+    """A urllib3 pool to the API server with the operator's credentials. One 401 logs in again and retries
+    (a rotated service-account token, an expired plugin token)."""
+
+    def __init__(self, login: Callable[[], kopf.ConnectionInfo]) -> None:
+        self._login = login
+        self._connect()
+
+    def _connect(self) -> None:
+        info = self._login()
+        self.base = info.server.rstrip("/")
+        # Handler threads, resync workers and requeue timers share it: keep their TLS connections.
+        self.pool = urllib3.PoolManager(maxsize=32, ssl_context=_ssl_context(info), retries=False)
+        self.auth: dict[str, str] = {}
+        if info.token:
+            self.auth["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+        elif info.username:
+            self.auth.update(urllib3.make_headers(basic_auth=f"{info.username}:{info.password or ''}"))
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]],
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout: tuple[float, float],
+        stream: bool = False,
+    ) -> urllib3.BaseHTTPResponse:
+        url = self.base + path + (f"?{urlencode(query)}" if query else "")
+        for attempt in (1, 2):
+            response = self.pool.request(
+                method,
+                url,
+                body=body,
+                headers={**self.auth, **headers},
+                timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+                preload_content=not stream,
+                retries=False,
+            )
+            if response.status != 401 or attempt == 2:
+                return response
+            response.drain_conn()
+            response.release_conn()
+            self._connect()
+        raise AssertionError("unreachable")
+
+
 class Kube:
-    def __init__(self, api: k8s_client.ApiClient) -> None:
-        self._api = api
+    def __init__(self, transport: _Transport) -> None:
+        self._transport = transport
 
     @classmethod
     def from_environment(cls) -> Kube:
-        """In-cluster config when running in a pod, else the current KUBECONFIG context."""
-        configuration = k8s_client.Configuration()
-        try:
-            k8s_config.load_incluster_config(client_configuration=configuration)
-        except k8s_config.ConfigException:
-            # Read KUBECONFIG now, not when the kubernetes package was imported (it caches it there).
-            k8s_config.load_kube_config(
-                config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
-            )
-        # Handler threads, resync workers and requeue timers share it: keep their TLS connections.
-        configuration.connection_pool_maxsize = 32
-        return cls(k8s_client.ApiClient(configuration))
+        """In-cluster service account when running in a pod, else the current KUBECONFIG context."""
+        return cls.from_login(kubeauth.login)
+
+    @classmethod
+    def from_login(cls, login: Callable[[], kopf.ConnectionInfo]) -> Kube:
+        """With credentials from `login`, called again after a 401."""
+        return cls(_Transport(login))
 
     def _request(
         self,
@@ -106,23 +204,26 @@ class Kube:
         accept: str = JSON,
         decode: bool = True,
     ) -> tuple[int, Any]:
-        """`decode=False`: a successful response's body is not parsed (writes whose echo nobody reads: the
-        created pod's JSON is most of what a pod creation costs this process)."""
+        """`decode=False`: a successful response's body is not parsed, only its resourceVersion is picked
+        out (writes whose echo nobody reads: the created pod's JSON is most of what a pod creation costs this
+        process)."""
         headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
-        method, url, header_params, serialized, post = self._api.param_serialize(
+        response = self._transport.request(
             method,
             path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
+            query=query or [],
+            body=None if body is None else json.dumps(body).encode(),
+            headers=headers,
+            timeout=TIMEOUT,
         )
-        response = self._api.call_api(method, url, header_params, serialized, post, _request_timeout=TIMEOUT)
-        data = response.read()
+        data = response.data
         ok = 200 <= response.status <= 299
-        payload = json.loads(data) if data and (decode or not ok) else None
+        if ok and not decode:
+            found = _RESOURCE_VERSION.search(data) if data else None
+            return response.status, found.group(1).decode() if found else None
+        payload = json.loads(data) if data else None
         if not ok:
             payload = payload if isinstance(payload, dict) else {}
             raise KubeError(
@@ -143,11 +244,68 @@ class Kube:
             raise
 
     def list(self, kind: Kind, namespace: str | None, label_selector: str | None = None) -> list[dict]:
-        query = [("labelSelector", label_selector)] if label_selector else []
-        return list(self._request("GET", kind.path(namespace), query=query)[1].get("items") or [])
+        return self.list_at(kind, namespace, label_selector)[0]
 
-    def create(self, kind: Kind, namespace: str | None, body: dict[str, Any]) -> None:
-        self._request("POST", kind.path(namespace), body=body, decode=False)
+    def list_at(
+        self, kind: Kind, namespace: str | None, label_selector: str | None = None
+    ) -> tuple[list[dict], str | None]:
+        """The items and the list's resourceVersion (the point in time they show)."""
+        query = [("labelSelector", label_selector)] if label_selector else []
+        payload = self._request("GET", kind.path(namespace), query=query)[1]
+        return list(payload.get("items") or []), (payload.get("metadata") or {}).get("resourceVersion")
+
+    def watch(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        resource_version: str,
+        *,
+        label_selector: str | None = None,
+        timeout_seconds: int = WATCH_SECONDS,
+        decode: Callable[[bytes], dict[str, Any]] = json.loads,
+    ) -> Iterator[dict[str, Any]]:
+        """The watch events after `resource_version` (bookmarks included), until the API server ends the
+        watch after `timeout_seconds` or the connection fails (an OSError or urllib3 error). `decode` turns
+        one event's JSON line into a dict (podevents.py keeps a pod's decision fields only)."""
+        query = [
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(timeout_seconds)),
+        ]
+        if label_selector:
+            query.append(("labelSelector", label_selector))
+        # Reads wait at most a bookmark interval (about a minute) plus slack, not the read timeout of a call.
+        raw = self._transport.request(
+            "GET",
+            kind.path(namespace),
+            query=query,
+            body=None,
+            headers={"Accept": JSON},
+            timeout=(TIMEOUT[0], timeout_seconds + 30.0),
+            stream=True,
+        )
+        try:
+            if not 200 <= raw.status <= 299:
+                payload = json.loads(raw.read() or b"{}")
+                payload = payload if isinstance(payload, dict) else {}
+                raise KubeError(
+                    raw.status, str(payload.get("reason") or ""), str(payload.get("message") or "")
+                )
+            pending = b""
+            for chunk in raw.stream(64 * 1024, decode_content=True):
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        yield decode(line)
+        finally:
+            raw.close()  # a watch left early: its connection is not reused half-read
+            raw.release_conn()
+
+    def create(self, kind: Kind, namespace: str | None, body: dict[str, Any]) -> str | None:
+        """The created object's resourceVersion."""
+        return self._request("POST", kind.path(namespace), body=body, decode=False)[1]
 
     def delete(
         self,
@@ -157,9 +315,10 @@ class Kube:
         *,
         uid: str | None = None,
         grace_seconds: int | None = None,
-    ) -> bool:
-        """False if it was already gone. `uid` makes sure a newer object of the same name survives;
-        `grace_seconds=0` removes a pod without waiting for its kubelet (a lost node's pod)."""
+    ) -> str | None:
+        """None if it was already gone, else the resourceVersion the deletion left ("" if the answer has
+        none). `uid` makes sure a newer object of the same name survives; `grace_seconds=0` removes a pod
+        without waiting for its kubelet (a lost node's pod)."""
         options: dict[str, Any] = {
             "kind": "DeleteOptions",
             "apiVersion": "v1",
@@ -170,11 +329,10 @@ class Kube:
         if uid:
             options["preconditions"] = {"uid": uid}
         try:
-            self._request("DELETE", kind.path(namespace, name), body=options, decode=False)
-            return True
+            return self._request("DELETE", kind.path(namespace, name), body=options, decode=False)[1] or ""
         except KubeError as e:
             if e.status == 404 or (e.status == 409 and uid):
-                return False
+                return None
             raise
 
     def patch(
@@ -185,14 +343,25 @@ class Kube:
         patch: dict[str, Any],
         *,
         subresource: str | None = None,
-    ) -> None:
-        self._request(
+    ) -> str | None:
+        """The patched object's resourceVersion."""
+        return self._request(
             "PATCH",
             kind.path(namespace, name, subresource),
             body=patch,
             content_type=MERGE_PATCH,
             decode=False,
-        )
+        )[1]
 
     def kind_of(self, body: dict[str, Any]) -> Kind:
-        return BY_KIND[body["kind"]]
+        return BY_API_VERSION_KIND.get((body.get("apiVersion"), body["kind"])) or BY_KIND[body["kind"]]
+
+    def served_resources(self, api_version: str) -> frozenset[str]:
+        """The resources API discovery lists for a group version; empty when it is not served (404)."""
+        try:
+            _, payload = self._request("GET", f"/apis/{api_version}")
+        except KubeError as e:
+            if e.status == 404:
+                return frozenset()
+            raise
+        return frozenset(r.get("name", "") for r in (payload or {}).get("resources") or [])

@@ -9,13 +9,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from colocate_operator.constants import Cond, Phase
+from colocate_operator.decide import ipc_preflight_failure
 from colocate_operator.observed import PodState
+from colocate_operator.spec import ColocateJob
+from colocate_operator.status import StatusView
 
 DELETED = "DELETED"
 
 
 def _meta(body: dict[str, Any]) -> dict[str, Any]:
     return body.get("metadata") or {}
+
+
+def ipc_preflight_failed(body: dict[str, Any]) -> bool:
+    """IPCReady is written by the step consumer, not through the spec: in Fail mode, fail the job at once
+    rather than at the next resync. The cheap test first: most events carry no failed IPCReady."""
+    status = StatusView.of(body)
+    ipc = status.condition(Cond.IPC_READY)
+    if status.phase in Phase.TERMINAL or ipc is None or ipc.get("status") != "False":
+        return False
+    return ipc_preflight_failure(ColocateJob.from_body(body), dict(status.raw)) is not None
 
 
 class EventMarks:

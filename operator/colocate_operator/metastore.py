@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from colocate_operator import names
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
@@ -26,6 +24,7 @@ from colocate_operator.constants import (
     SECRET_CONFIG_KEY,
     SECRET_PASSWORD_KEY,
 )
+from colocate_operator.quantity import parse_quantity
 from colocate_operator.spec import ColocateJob
 
 REDIS_UID = 999  # the redis user of the official images

@@ -6,8 +6,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from colocate_operator.constants import CLAIM_NAME, CONTAINER_TRAINER, LABEL_REPLICA_INDEX, LABEL_RESTART
-from colocate_runtime.colocated.events import is_final_termination_message
+from colocate_operator.constants import (
+    CLAIM_NAME,
+    CONTAINER_ROLLOUT,
+    CONTAINER_TRAINER,
+    LABEL_REPLICA_INDEX,
+    LABEL_RESTART,
+)
+from colocate_operator.kueue import Placement, WorkloadState
+from colocate_runtime.contract.events import is_final_termination_message
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
@@ -42,6 +49,23 @@ def _owned_by(body: dict[str, Any], uid: str) -> bool:
     )
 
 
+def _engine_facts(body: dict[str, Any]) -> dict[str, Any]:
+    """PodState's engine_* fields from the rollout container's spec and status."""
+    containers = (body.get("spec") or {}).get("containers") or []
+    spec = next((c for c in containers if c.get("name") == CONTAINER_ROLLOUT), {})
+    statuses = (body.get("status") or {}).get("containerStatuses") or []
+    status = next((c for c in statuses if c.get("name") == CONTAINER_ROLLOUT), {})
+    exited = (status.get("state") or {}).get("terminated")
+    last = (status.get("lastState") or {}).get("terminated")
+    return {
+        "engine_restarts": int(status.get("restartCount") or 0),
+        "engine_ready": bool(status.get("ready")),
+        "engine_exit_code": int(exited.get("exitCode") or 0) if exited else None,
+        "engine_last_exit_code": int(last.get("exitCode") or 0) if last else None,
+        "engine_restart_in_place": bool(spec.get("restartPolicyRules")),
+    }
+
+
 @dataclass(frozen=True)
 class PodState:
     name: str
@@ -65,6 +89,15 @@ class PodState:
     # The trainer container ended with the final record as its termination message (events.py): the pod's
     # own proof that training finished, kept with the pod whatever happened to the meta-store.
     final_message: bool = False
+    # The SGLang (rollout) container: how often the kubelet restarted it in place (restartCount), whether it
+    # is ready, its exit code while it is terminated, the last exit before a restart (lastState), and whether
+    # the stored pod asks for in-place restarts (restartPolicyRules: an apiserver without the
+    # ContainerRestartRules feature drops them, and the kubelet then leaves the container exited).
+    engine_restarts: int = 0
+    engine_ready: bool = False
+    engine_exit_code: int | None = None
+    engine_last_exit_code: int | None = None
+    engine_restart_in_place: bool = False
 
     @classmethod
     def from_body(cls, body: dict[str, Any], job_uid: str) -> PodState:
@@ -105,6 +138,7 @@ class PodState:
                 )
                 for c in status.get("containerStatuses") or []
             ),
+            **_engine_facts(body),
         )
 
     def describe(self) -> str:
@@ -155,6 +189,18 @@ class ForeignChild:
 
 
 @dataclass(frozen=True)
+class CheckpointState:
+    """The suspend checkpoint records in the job's meta-store (contract/checkpoint.py), read while a suspend
+    waits: the trainer ranks that registered for requests, the request there now, and each rank's ACK as
+    (request id, step). `readable` False: the meta-store did not answer (nothing is known of the trainer)."""
+
+    readable: bool
+    ranks: frozenset[str] = frozenset()
+    request_id: str | None = None
+    acks: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Observed:
     """`children` holds `Kind/name` of every non-pod child that exists and belongs to this job; `foreign`
     the child names held by objects the job does not own.
@@ -175,6 +221,13 @@ class Observed:
     final_record_pending: bool = False
     # (name, uid) of the Managed Redis pods, listed only when this job's Redis runs but its Secret is gone.
     metastore_pods: tuple[tuple[str, str], ...] = ()
+    # Read only while a suspend waits for the step in flight and the trainer's checkpoint (checkpoints.py).
+    checkpoint: CheckpointState | None = None
+    # A job with a Kueue queue: its Workload (None: none yet) and, while there is none, the value of its
+    # WorkloadPriorityClass (None: no class, or not found).
+    workload: WorkloadState | None = None
+    workload_priority: int | None = None
+    workload_placement: Placement | None = None  # the admitted flavors' node labels and tolerations
 
 
 @dataclass
@@ -186,6 +239,7 @@ class StreamProgress:
 
     final: bool = False
     caught_up_at: float = 0.0
+    paused: bool = False  # the job is Suspending or Suspended (its watch events say): no stall is counted
 
 
 def child_key(body: dict[str, Any]) -> str:

@@ -1,10 +1,11 @@
 """Pure builders for the worker pods, their headless Service and their NetworkPolicy, including the pod
-environment contract.
+environment (rendered from the contract's table, colocate_runtime.contract.env).
 
 Each pod holds a trainer and an SGLang (rollout) container on the same GPUs, with a shared PID namespace,
 one memory-backed /dev/shm and one socket directory mounted in both. The in-pod runtime reads the
-COLOCATE_* variables below (documented in operator/README.md); both containers get the same set, plus
-COLOCATE_CONTAINER telling them apart, and SGLANG_API_KEY from spec.rollout.apiKeySecretRef where set.
+COLOCATE_* variables below (the table in operator/README.md is generated from the contract's); both
+containers get the same set, plus COLOCATE_CONTAINER telling them apart, and SGLANG_API_KEY from
+spec.rollout.apiKeySecretRef where set.
 
 Pods are built to pass Pod Security "restricted" (non-root, seccomp RuntimeDefault, no privilege escalation,
 all capabilities dropped, no service account token); the spec's securityContext fields replace these
@@ -16,14 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from colocate_operator import gpus, names
+from colocate_operator import gang, gpus, names
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     COMPONENT_WORKER,
     CONTAINER_ROLLOUT,
     CONTAINER_TRAINER,
-    KUEUE_POD_GROUP_COUNT_ANNOTATION,
-    KUEUE_POD_GROUP_LABEL,
     KUEUE_QUEUE_LABEL,
     LABEL_REPLICA_INDEX,
     LABEL_RESTART,
@@ -34,10 +33,11 @@ from colocate_operator.constants import (
 )
 from colocate_operator.metastore import MetaStoreEndpoint
 from colocate_operator.spec import DEFAULT_PORTS, ColocateJob
+from colocate_runtime.contract import env
 
 ROLES = (CONTAINER_TRAINER, CONTAINER_ROLLOUT)
 PORT_NAMES = {CONTAINER_TRAINER: "rendezvous", CONTAINER_ROLLOUT: "http"}
-API_KEY_ENV = "SGLANG_API_KEY"  # read by runtime/colocated/config.py and runtime/sglang/serve.py
+API_KEY_ENV = env.SGLANG_API_KEY.name
 DEFAULT_POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 DEFAULT_CONTAINER_SECURITY: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
@@ -95,52 +95,51 @@ def network_policy(job: ColocateJob) -> dict[str, Any]:
 def contract_env(
     job: ColocateJob, index: int, restart: int, role: str, store: MetaStoreEndpoint, config: OperatorConfig
 ) -> list[dict[str, Any]]:
-    """The COLOCATE_* variables, identical in both containers except COLOCATE_CONTAINER."""
+    """The pod's variables of the contract's table (contract/env.py), identical in both containers except
+    COLOCATE_CONTAINER; each is rendered by its table entry, so names and types are written once."""
     spec = job.spec
     train, infer = spec.parallelism.train, spec.parallelism.inference
     rendezvous = names.pod_fqdn(job.ref.name, 0, job.ref.namespace, config.cluster_domain)
-    values: list[tuple[str, object]] = [
-        ("COLOCATE_JOB_NAME", job.ref.name),
-        ("COLOCATE_NAMESPACE", job.ref.namespace),
-        ("COLOCATE_REPLICA_INDEX", index),
-        ("COLOCATE_NUM_NODES", spec.num_nodes),
-        ("COLOCATE_GPUS_PER_NODE", spec.gpus_per_node),
-        ("COLOCATE_RENDEZVOUS_ADDR", f"{rendezvous}:{port(job, CONTAINER_TRAINER)}"),
-        ("COLOCATE_METASTORE_ADDR", store.address),
-        ("COLOCATE_BUCKET_MB", spec.weight_sync.bucket_mb),
-        ("COLOCATE_STEP_TIMEOUT_SECONDS", spec.weight_sync.step_timeout_seconds),
-        ("COLOCATE_TRANSPORT", spec.weight_sync.transport),
-        ("COLOCATE_VERIFY", spec.weight_sync.verify),
-        ("COLOCATE_IPC_PREFLIGHT", spec.weight_sync.ipc_preflight.mode),
-        ("COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS", spec.weight_sync.ipc_preflight.timeout_seconds),
-        ("COLOCATE_TRAIN_TP", train.tensor),
-        ("COLOCATE_TRAIN_PP", train.pipeline),
-        ("COLOCATE_TRAIN_EP", train.expert),
-        ("COLOCATE_TRAIN_CP", train.context),
-        ("COLOCATE_INFER_TP", infer.tensor),
-        ("COLOCATE_INFER_DP", infer.data),
-        ("COLOCATE_INFER_EP", infer.expert),
-        ("COLOCATE_MODEL_ARCH", spec.model.arch),
-        ("COLOCATE_CONTAINER", role),
-        ("COLOCATE_RESTART_COUNT", restart),
-        ("COLOCATE_ROLLOUT_PORT", port(job, CONTAINER_ROLLOUT)),
-        ("COLOCATE_SOCKET_DIR", SOCKET_MOUNT_PATH),
-        ("COLOCATE_GPU_ALLOCATION", spec.gpu.allocation),
+    values: list[tuple[env.Var, object]] = [
+        (env.JOB_NAME, job.ref.name),
+        (env.NAMESPACE, job.ref.namespace),
+        (env.REPLICA_INDEX, index),
+        (env.NUM_NODES, spec.num_nodes),
+        (env.GPUS_PER_NODE, spec.gpus_per_node),
+        (env.RENDEZVOUS_ADDR, f"{rendezvous}:{port(job, CONTAINER_TRAINER)}"),
+        (env.METASTORE_ADDR, store.address),
+        (env.BUCKET_MB, spec.weight_sync.bucket_mb),
+        (env.STEP_TIMEOUT_SECONDS, spec.weight_sync.step_timeout_seconds),
+        (env.TRANSPORT, spec.weight_sync.transport),
+        (env.VERIFY, spec.weight_sync.verify),
+        (env.IPC_PREFLIGHT, spec.weight_sync.ipc_preflight.mode),
+        (env.IPC_PREFLIGHT_TIMEOUT_SECONDS, spec.weight_sync.ipc_preflight.timeout_seconds),
+        (env.TRAIN_TP, train.tensor),
+        (env.TRAIN_PP, train.pipeline),
+        (env.TRAIN_EP, train.expert),
+        (env.TRAIN_CP, train.context),
+        (env.INFER_TP, infer.tensor),
+        (env.INFER_DP, infer.data),
+        (env.INFER_EP, infer.expert),
+        (env.MODEL_ARCH, spec.model.arch),
+        (env.CONTAINER, role),
+        (env.RESTART_COUNT, restart),
+        (env.ROLLOUT_PORT, port(job, CONTAINER_ROLLOUT)),
+        (env.SOCKET_DIR, SOCKET_MOUNT_PATH),
     ]
     if spec.model.config:
-        values.append(("COLOCATE_MODEL_CONFIG", spec.model.config))
-    env: list[dict[str, Any]] = [{"name": k, "value": str(v)} for k, v in values]
-    env.append(
-        {
-            "name": "COLOCATE_METASTORE_PASSWORD",
-            "valueFrom": {"secretKeyRef": {"name": store.secret_name, "key": store.secret_key}},
-        }
-    )
+        values.append((env.MODEL_CONFIG, spec.model.config))
+    rendered = [var.render(value) for var, value in values]
+    rendered.append(secret_env(env.METASTORE_PASSWORD, store.secret_name, store.secret_key))
     key = spec.rollout.api_key_secret_ref
     if key is not None:
         # Both containers: SGLang runs with it, the trainer's client sends it.
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": key.name, "key": key.key}}})
-    return env
+        rendered.append(secret_env(env.SGLANG_API_KEY, key.name, key.key))
+    return rendered
+
+
+def secret_env(var: env.Var, secret: str, key: str) -> dict[str, Any]:
+    return {"name": var.name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def security_context(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +157,18 @@ def rollout_probes() -> dict[str, Any]:
         "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {**get, "periodSeconds": 10, "failureThreshold": 3},
         "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 6},
+    }
+
+
+def engine_restart_rules() -> dict[str, Any]:
+    """SGLang alone restarts in place when it crashes (a non-zero exit), while the trainer runs on and then
+    re-pushes its current weights to it (runtime/colocated/repush.py): container restart rules (Kubernetes
+    1.35+, beta, on by default as ContainerRestartRules). A clean exit (0) is not restarted. Where the
+    apiserver lacks the feature it drops these fields, and the operator restarts the group instead
+    (decide.py, EngineExited)."""
+    return {
+        "restartPolicy": "Never",
+        "restartPolicyRules": [{"action": "Restart", "exitCodes": {"operator": "NotIn", "values": [0]}}],
     }
 
 
@@ -181,6 +192,7 @@ def container(
     body["ports"] = [{"name": PORT_NAMES[role], "containerPort": port(job, role), "protocol": "TCP"}]
     if role == CONTAINER_ROLLOUT:
         body.update(rollout_probes())
+        body.update(engine_restart_rules())
     body["resources"] = gpus.container_resources(job, role, user.resources)
     body["volumeMounts"] = [
         {"name": SHM_VOLUME, "mountPath": SHM_MOUNT_PATH},
@@ -198,11 +210,9 @@ def pod(
     name = names.pod(job.ref.name, index)
     extra_labels = {**spec.pod.labels, LABEL_REPLICA_INDEX: str(index), LABEL_RESTART: str(restart)}
     annotations = dict(spec.pod.annotations)
-    if spec.scheduling.queue_name:
-        # Kueue plain pod group: admitted (or not) as one workload of numNodes pods.
-        extra_labels[KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
-        extra_labels[KUEUE_POD_GROUP_LABEL] = job.ref.name
-        annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(spec.num_nodes)
+    # A queued job is a Kueue Workload of its own (kueue.py) and its pods exist only once it is admitted: they
+    # carry no queue label, which would have Kueue's pod integration queue them a second time.
+    extra_labels.pop(KUEUE_QUEUE_LABEL, None)
     annotations.update(gpus.topology_annotations(job))
     pod_spec: dict[str, Any] = {
         "hostname": name,
@@ -240,6 +250,9 @@ def pod(
         pod_spec["priorityClassName"] = spec.scheduling.priority_class_name
     if spec.pod.service_account_name:
         pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    if config.native_gang:
+        # All or nothing: the scheduler binds the pods of this PodGroup together (gang.py).
+        pod_spec["schedulingGroup"] = gang.scheduling_group(job)
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -1,9 +1,10 @@
 """Observe, decide, execute: the only module that reads the cluster on the job's behalf and changes it.
 
-Every pass reads the job and its pods fresh from the API server (never from a cache that may lag behind our
-own last write), calls the pure `decide`, applies the plan and writes status in one merge patch guarded by
-the job's resourceVersion. Children that exist and facts that cannot change (`known.py`) are not read again
-until the resync interval has passed. Watch handlers, the resync thread and requeues only add the job's key
+A pass takes the job and its pods from the watch-fed indexes (`indexes.py`) when they show every write of
+this process's earlier passes, and reads them from the API server otherwise (and once per resync interval);
+it calls the pure `decide`, applies the plan and writes status in one merge patch guarded by the job's
+resourceVersion. Children that exist and facts that cannot change (`known.py`) are not read again until the
+resync interval has passed. Watch handlers, the resync thread and requeues only add the job's key
 to a deduplicating work queue; a fixed set of worker threads runs the passes, never two for one job at once.
 """
 
@@ -20,13 +21,16 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from colocate_operator import gpus, kube, kube_events, metrics, names
+from colocate_operator import checkpoints, gang, gpus, kube, kube_events, metrics, names, workloads
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import API_VERSION, COMPONENT_METASTORE, COMPONENT_WORKER, KIND, Phase
-from colocate_operator.decide import EventSpec, Plan, decide, status_patch
+from colocate_operator.decide import EventSpec, Plan, decide
+from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
 from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState, StreamProgress
+from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
+from colocate_operator.status import StatusView, final_step_recorded, status_patch
 from colocate_operator.workqueue import WorkQueue
 
 log = logging.getLogger("colocate_operator.reconciler")
@@ -37,6 +41,13 @@ ERROR_RETRY_SECONDS = 5.0
 FINAL_RECORD_WAIT_SECONDS = 60.0
 
 JobKey = tuple[str, str]  # (namespace, name)
+
+
+class Gone:
+    """A pass's outcome when the job no longer exists (or the pass deleted it): forget it, queue nothing."""
+
+
+GONE = Gone()
 CREATED, TAKEN, FAILED = "created", "taken", "failed"  # outcomes of one create
 
 
@@ -61,6 +72,9 @@ class Reconciler:
         self.stats = Stats()
         self.queue: WorkQueue[JobKey] = WorkQueue()
         self.known = KnownFacts(max_age=config.reconcile_interval_seconds)
+        self.indexes = Indexes(max_age=config.reconcile_interval_seconds)
+        # Shared with the step followers when they start (StepWatchers.secret_reads).
+        self.secret_reads = SecretReads(max_age=config.reconcile_interval_seconds)
         self._uids: dict[JobKey, str] = {}  # jobs this process has seen, for the resync
         self._jobs_lock = threading.Lock()
         self._instance = socket.gethostname()
@@ -126,12 +140,13 @@ class Reconciler:
         self.stats.last_pass = time.time()
         if requeue is None:
             return
-        if requeue < 0:  # the job is gone
+        if isinstance(requeue, Gone):
             with self._jobs_lock:
                 uid = self._uids.pop(key, None)
             if uid is not None:
                 self.known.forget(uid)
                 self._exits_seen.pop(uid, None)
+            self.indexes.forget(namespace, name)
             self.queue.forget(key)
             metrics.forget_job(namespace, name)
             return
@@ -142,11 +157,15 @@ class Reconciler:
 
     # One pass --------------------------------------------------------------------------------------------
 
-    def _pass(self, namespace: str, name: str) -> float | None:
-        """Seconds until the next pass is needed; None: on the next event or timer; -1: the job is gone."""
-        body = self.api.get(kube.COLOCATE_JOBS, namespace, name)
+    def _pass(self, namespace: str, name: str) -> float | Gone | None:
+        """Seconds until the next pass is needed; None: on the next event or timer; GONE: forget the job."""
+        body = self.indexes.job(namespace, name)
         if body is None:
-            return -1.0
+            body = self.api.get(kube.COLOCATE_JOBS, namespace, name)
+            if body is not None:
+                self.indexes.read_job(body)
+        if body is None:
+            return GONE
         if body["metadata"].get("deletionTimestamp"):
             return None  # garbage collection removes the children through their ownerReferences
         job = ColocateJob.from_body(body)
@@ -157,15 +176,20 @@ class Reconciler:
             self.known.forget(previous)  # re-created under the same name
         status = body.get("status") or {}
         observed = self._final_record(job, status, self._observe(job, status))
-        plan = decide(job, status, observed, self.clock(), self.config, secrets.token_urlsafe(32))
+        observed = workloads.observe(self.api, job, observed)  # a job Kueue queues: its Workload
+        observed = checkpoints.observe(self.api, job, status, observed, self.config)  # while a suspend waits
+        now = self.clock()
+        plan = decide(job, status, observed, now, self.config, secrets.token_urlsafe(32))
+        workloads.write(self.api, job, observed, plan, now)
         return self._execute(job, body, plan)
 
     def _observe(self, job: ColocateJob, status: dict[str, Any]) -> Observed:
         ns, name, uid = job.ref.namespace, job.ref.name, job.ref.uid
-        pods = tuple(
-            PodState.from_body(p, uid)
-            for p in self.api.list(kube.PODS, ns, names.label_selector(name, COMPONENT_WORKER))
-        )
+        pods = self.indexes.pods(ns, name, uid)
+        if pods is None:
+            items, at = self.api.list_at(kube.PODS, ns, names.label_selector(name, COMPONENT_WORKER))
+            pods = tuple(PodState.from_body(p, uid) for p in items)
+            self.indexes.read_pods(ns, name, items, at)
         children: set[str] = set()
         wanted = [
             (kube.SERVICES, "Service", names.headless_service(name)),
@@ -174,6 +198,11 @@ class Reconciler:
         ]
         if gpus.uses_dra(job):
             wanted.append((kube.CLAIM_TEMPLATES, "ResourceClaimTemplate", names.claim_template(name)))
+        if self.config.native_gang:
+            wanted += [
+                (kube.GANG_WORKLOADS, "Workload", gang.name(name)),
+                (kube.POD_GROUPS, "PodGroup", gang.name(name)),
+            ]
         metastore_ready = False
         external_found: bool | None = None
         # A job no pass has written status for is new: its children exist only if an operator died between
@@ -249,7 +278,7 @@ class Reconciler:
                 for p in self.api.list(kube.PODS, ns, names.label_selector(name, COMPONENT_METASTORE))
             )
         device_class_found: bool | None = None
-        if gpus.uses_dra(job) and not status.get("groupCreated") and not job.spec.suspend:
+        if gpus.uses_dra(job) and not StatusView(status).group_created and not job.spec.suspend:
             device_class_found = self._device_class_found(job.spec.gpu.device_class_name)
         # Each claim by name: a namespace-wide list would grow with every other job's claims.
         wanted_claims = {p.claim for p in pods if p.claim}
@@ -275,14 +304,14 @@ class Reconciler:
         """The catch-up barrier (M4): before a pod's exit counts as one without the final record, the step
         follower must have read the stream to its end after the exit was seen. The follower may lag behind
         status: a restarted operator replays the stream, a refused status write waits 10 s."""
-        uid, restarts = job.ref.uid, int(status.get("restarts") or 0)
+        uid, restarts = job.ref.uid, StatusView(status).restarts
         exits = [
             pod
             for pod in observed.pods
             if pod.owned and pod.restart == restarts and pod.phase in ("Succeeded", "Failed")
         ]
-        recorded = bool((status.get("weightSync") or {}).get("finalStepRecorded"))
-        if not exits or recorded or status.get("phase") in Phase.TERMINAL:
+        recorded = final_step_recorded(status)
+        if not exits or recorded or StatusView(status).phase in Phase.TERMINAL:
             self._exits_seen.pop(uid, None)
             return observed
         now = time.time()
@@ -309,14 +338,22 @@ class Reconciler:
         fact = f"ExternalSecret/{ref.name}/{ref.key}"
         if fact in self.known.children(job.ref.uid):
             return True
-        try:
-            body = self.api.get(kube.SECRETS, job.ref.namespace, ref.name)
-        except kube.KubeError as e:
-            if e.status == 403:
-                return None
-            raise
-        # Only the key's presence is looked at; the value is dropped with `body`.
-        found = body is not None and ref.key in (body.get("data") or {})
+        # A step follower that read the Secret moments ago answers it (one read per job, not two).
+        # A read that lacked the key is not trusted: the user may have added it since (read again).
+        seen = self.secret_reads.recent(job.ref.namespace, ref.name)
+        if seen is None or ref.key not in seen.data:
+            reads = self.secret_reads
+            try:
+                # No read to remember: share one in flight (jobs sharing a Secret start together).
+                seen = (reads.read_shared if seen is None else reads.read)(
+                    self.api, job.ref.namespace, ref.name
+                )
+            except kube.KubeError as e:
+                if e.status == 403:
+                    return None
+                raise
+        # Only the key's presence is looked at here; the value stays in `secret_reads` for the follower.
+        found = seen is not None and ref.key in seen.data
         if found:
             self.known.saw_children(job.ref.uid, [fact])
         return found
@@ -329,7 +366,7 @@ class Reconciler:
                 return None  # no permission, or no DRA API at all: let the scheduler report it
             raise
 
-    def _execute(self, job: ColocateJob, body: dict[str, Any], plan: Plan) -> float | None:
+    def _execute(self, job: ColocateJob, body: dict[str, Any], plan: Plan) -> float | Gone | None:
         ns = job.ref.namespace
         status = body.get("status") or {}
         patch = status_patch(status, plan.status)
@@ -337,13 +374,17 @@ class Reconciler:
             if not self._write_status(job, body, patch):
                 return 0.5  # someone else wrote first: decide again from what they wrote
             patch = {}
+        checkpoints.execute(self.api, job, plan.checkpoint, self.config)  # before the resumed pods exist
         failed_creates = self._create_all(job, plan.creates)
         for pod in plan.deletes:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
-            if deleted:
+            if deleted is not None:
+                self.indexes.deleted_pod(ns, job.ref.name, pod.uid, deleted)
                 log.info("deleted pod", extra={"job": f"{ns}/{job.ref.name}", "pod": pod.name})
         for pod in plan.force_deletes:
-            if self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid, grace_seconds=0):
+            deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid, grace_seconds=0)
+            if deleted is not None:
+                self.indexes.deleted_pod(ns, job.ref.name, pod.uid, deleted)
                 log.warning(
                     "force-deleted a pod stuck terminating",
                     extra={"job": f"{ns}/{job.ref.name}", "pod": pod.name},
@@ -354,7 +395,7 @@ class Reconciler:
             self._post_event(body, event)
         if plan.delete_job:
             self.api.delete(kube.COLOCATE_JOBS, ns, job.ref.name, uid=job.ref.uid)
-            return -1.0
+            return GONE
         if failed_creates:
             return 5.0
         if plan.requeue_after is not None:
@@ -369,6 +410,7 @@ class Reconciler:
         pass reads the name and tells our own object from someone else's. Returns the failed creates."""
         failed = 0
         held: set[str] = set()
+        created: list[str] = []
         for number in range(3):
             wave = [m for m in manifests if _wave(m["kind"]) == number and m["kind"] not in held]
             if self.config.create_delay_seconds or len(wave) <= 1:  # fault injection: a predictable order
@@ -377,10 +419,14 @@ class Reconciler:
                 outcomes = list(self._creators.map(lambda m: self._create(job, m), wave))
             failed += outcomes.count(FAILED)
             for manifest, outcome in zip(wave, outcomes, strict=True):
+                if outcome == CREATED:
+                    created.append(f"{manifest['kind']}/{manifest['metadata']['name']}")
                 if outcome == TAKEN and manifest["kind"] == "Secret":
                     held |= {"Deployment", "Pod"}
                 elif outcome == TAKEN and manifest["kind"] != "Pod":
                     held.add("Pod")
+        if created:  # one line per pass, not one per child (a new job makes seven)
+            log.info("created", extra={"job": f"{job.ref.namespace}/{job.ref.name}", "children": created})
         return failed
 
     def _create(self, job: ColocateJob, manifest: dict[str, Any]) -> str:
@@ -389,7 +435,7 @@ class Reconciler:
         if kind == "Pod" and self.config.create_delay_seconds:
             time.sleep(self.config.create_delay_seconds)
         try:
-            self.api.create(self.api.kind_of(manifest), ns, manifest)
+            created = self.api.create(self.api.kind_of(manifest), ns, manifest)
         except kube.KubeError as e:
             if e.status == 409:
                 # Made by an earlier pass, or someone else's object of that name (or an old one still
@@ -410,25 +456,30 @@ class Reconciler:
                 EventSpec("Warning", "FailedToCreate", f"{kind} {manifest['metadata']['name']}: {e.message}"),
             )
             return FAILED
-        log.info("created", extra=what)
-        if kind != "Pod":
+        if kind == "Pod":
+            self.indexes.created_pod(ns, job.ref.name, manifest["metadata"]["name"], created)
+        else:
             self.known.saw_children(job.ref.uid, [f"{kind}/{manifest['metadata']['name']}"])
         return CREATED
 
     def _write_status(self, job: ColocateJob, body: dict[str, Any], patch: dict[str, Any]) -> bool:
         resource_version = body["metadata"].get("resourceVersion")
+        ns, name = job.ref.namespace, job.ref.name
         try:
-            self.api.patch(
+            written = self.api.patch(
                 kube.COLOCATE_JOBS,
-                job.ref.namespace,
-                job.ref.name,
+                ns,
+                name,
                 {"metadata": {"resourceVersion": resource_version}, "status": patch},
                 subresource="status",
             )
         except kube.KubeError as e:
+            if e.status == 409:  # the view was older than the job: the retry must not take it again
+                self.indexes.status_conflict(ns, name, resource_version)
             if e.status in (404, 409):
                 return False
             raise
+        self.indexes.wrote_status(ns, name, written)
         metrics.STATUS_WRITES.labels("reconciler").inc()
         if "restarts" in patch:
             metrics.RESTARTS.labels(job.ref.namespace, job.ref.name).set(patch["restarts"])

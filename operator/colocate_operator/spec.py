@@ -84,7 +84,7 @@ class IpcPreflightSpec(_Model):
 
 class WeightSyncSpec(_Model):
     transport: Literal["CudaIPC", "NCCL"] = "CudaIPC"
-    bucket_mb: int = Field(512, alias="bucketMB")
+    bucket_mb: int = Field(1024, alias="bucketMB")
     step_timeout_seconds: int = 600
     progress_deadline_seconds: int = 3600
     verify: Literal["None", "SampledChecksum"] = "None"
@@ -122,6 +122,7 @@ class PodSpec(_Model):
 class RunPolicy(_Model):
     max_restarts: int = 3
     backoff_seconds: int = 10
+    suspend_grace_period_seconds: int = 60
     active_deadline_seconds: int | None = None
     ttl_seconds_after_finished: int | None = None
 
@@ -181,6 +182,8 @@ class JobRef(_Model):
 class ColocateJob(_Model):
     ref: JobRef
     spec: ColocateJobSpec
+    # The job's own labels: Kueue's queue-name and priority-class labels go here, as on Kueue's own jobs.
+    labels: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> ColocateJob:
@@ -191,4 +194,8 @@ class ColocateJob(_Model):
             uid=meta["uid"],
             generation=int(meta.get("generation") or 0),
         )
-        return cls(ref=ref, spec=ColocateJobSpec.model_validate(body.get("spec") or {}))
+        return cls(
+            ref=ref,
+            spec=ColocateJobSpec.model_validate(body.get("spec") or {}),
+            labels=dict(meta.get("labels") or {}),
+        )

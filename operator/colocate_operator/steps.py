@@ -1,4 +1,4 @@
-"""Weight-update steps -> status: folds a job's step events (runtime/colocated/events.py) into
+"""Weight-update steps -> status: folds a job's step events (runtime/contract/events.py) into
 `status.weightSync` and the bounded `status.recentSteps` history. Pure: no I/O, the clock is passed in.
 
 A step is complete when every trainer GPU of the job reported `finished` with `result=ok` for it. Each
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from colocate_operator.conditions import Condition
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
-from colocate_runtime.colocated.events import StepEvent
+from colocate_operator.status import StepRecordStatus, WeightSyncStatus
+from colocate_runtime.contract.events import StepEvent
 
 # What `kubectl get` shows while a step moves through the runtime (status.weightSync.currentPhase).
 PHASE_NAMES = {
@@ -65,18 +65,16 @@ class StepRecord:
     weight_version: str = ""
     message: str = ""
 
-    def to_status(self) -> dict[str, Any]:
-        record: dict[str, Any] = {
-            "step": self.step,
-            "weightVersion": self.weight_version,
-            "result": self.result,
-            "syncSeconds": round(self.sync_seconds, 6),
-            "bytes": self.bytes,
-            "completionTime": iso(self.completion_time),
-        }
-        if self.message:
-            record["message"] = self.message
-        return record
+    def to_status(self) -> StepRecordStatus:
+        return StepRecordStatus(
+            step=self.step,
+            weight_version=self.weight_version,
+            result=self.result,
+            sync_seconds=round(self.sync_seconds, 6),
+            bytes=self.bytes,
+            completion_time=iso(self.completion_time),
+            message=self.message or None,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,6 +101,7 @@ class StepTracker:
     last_sync_bytes: int = 0
     current_phase: str = ""
     last_progress_ts: float | None = None  # when the last step completed (or tracking started)
+    paused_since: float | None = None  # the job is suspended (or suspending): no progress is expected
     final_result: str | None = None
     last_failure: StepRecord | None = None
     recent: list[StepRecord] = field(default_factory=list)
@@ -253,25 +252,33 @@ class StepTracker:
 
     def stalled(self, now: float, deadline_seconds: float) -> bool:
         """No step completed within the progress deadline (counted from the last one, or from the start)."""
-        if self.final_result is not None or self.last_progress_ts is None:
+        if self.final_result is not None or self.last_progress_ts is None or self.paused_since is not None:
             return False
         return now - self.last_progress_ts > deadline_seconds
 
-    def weight_sync_status(self) -> dict[str, Any]:
-        status: dict[str, Any] = {"currentPhase": self.current_phase or "Pending"}
-        if self.last_completed_step is not None:
-            status.update(
-                lastCompletedStep=self.last_completed_step,
-                weightVersion=self.weight_version,
-                lastSyncSeconds=round(self.last_sync_seconds, 6),
-                lastSyncBytes=self.last_sync_bytes,
-            )
-        if self.final_result is not None:
-            status["finalStepRecorded"] = True
-        return status
+    def pause(self, paused: bool, now: float) -> None:
+        """A suspended job makes no progress by design: no stall while it is paused, and the progress deadline
+        counts again from the resume (a job Kueue preempted for hours is not a stalled one)."""
+        if paused and self.paused_since is None:
+            self.paused_since = now
+        elif not paused and self.paused_since is not None:
+            self.paused_since = None
+            if self.last_progress_ts is not None:
+                self.last_progress_ts = max(self.last_progress_ts, now)
 
-    def recent_steps_status(self) -> list[dict[str, Any]]:
-        return [r.to_status() for r in self.recent]
+    def weight_sync_status(self) -> WeightSyncStatus:
+        done = self.last_completed_step is not None
+        return WeightSyncStatus(
+            current_phase=self.current_phase or "Pending",
+            last_completed_step=self.last_completed_step,
+            weight_version=self.weight_version if done else None,
+            last_sync_seconds=round(self.last_sync_seconds, 6) if done else None,
+            last_sync_bytes=self.last_sync_bytes if done else None,
+            final_step_recorded=True if self.final_result is not None else None,
+        )
+
+    def recent_steps_status(self) -> tuple[StepRecordStatus, ...]:
+        return tuple(r.to_status() for r in self.recent)
 
 
 def _key(condition: Condition | None) -> tuple[bool, str] | None:

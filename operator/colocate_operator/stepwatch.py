@@ -1,20 +1,33 @@
-"""One follower per ColocateJob that follows the job's step-event stream in its Redis meta-store and turns it
-into status (weightSync, recentSteps, WeightSyncHealthy, Progressing), metrics and throttled Events.
+"""Step events -> status: follows every ColocateJob's step-event stream in its Redis meta-store and turns it
+into status (weightSync, recentSteps, WeightSyncHealthy, Progressing, IPCReady), metrics and throttled Events.
 
-Async all the way: redis.asyncio for the stream, the blocking Kubernetes client only through
-asyncio.to_thread. Status writes are coalesced: one per step boundary, plus a heartbeat when only the
-current phase moved. On start the stream is replayed from its beginning, so a restarted operator rebuilds
-the same status.
+Streams are read by one reader per meta-store endpoint (address and password): the jobs sharing an External
+store share one connection and one blocking XREAD over all their streams; a Managed store serves one job.
+Each job keeps a small task (`follow`) that resolves its store's credentials, joins the endpoint's reader,
+and writes status when the reader brings a step boundary or a decision falls due (stall, heartbeat, retry).
+Status writes are coalesced per job: a write waits WRITE_SETTLE_SECONDS for the rest of a burst and comes at
+most every WRITE_MIN_INTERVAL_SECONDS, so a burst of steps costs one write; phase-only changes wait for a
+heartbeat. On start a stream is replayed from its beginning, so a restarted operator rebuilds the same status.
+
+Async all the way: redis.asyncio for the streams, the blocking Kubernetes client only through
+a thread pool of the followers' own, with what a write carries snapshotted on the event loop first. At most
+WRITES_IN_FLIGHT status writes run at once; a job waiting for a turn takes its snapshot when its turn comes,
+so an API server that answers slowly makes each write carry more steps rather than queue stale writes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import copy
+import functools
+import hashlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,46 +37,52 @@ from redis.exceptions import RedisError, ResponseError
 from urllib3.exceptions import HTTPError
 
 from colocate_operator import conditions, kube, metrics, names
+from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import GROUP, PLURAL, VERSION
+from colocate_operator.constants import GROUP, PLURAL, VERSION, Phase
+from colocate_operator.indexes import version
 from colocate_operator.kube_events import post_event
-from colocate_operator.metastore import endpoint
+from colocate_operator.metastore import MetaStoreEndpoint, endpoint
 from colocate_operator.observed import StreamProgress
+from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
-from colocate_operator.steps import StepTracker, step_conditions
-from colocate_runtime.colocated.events import STREAM_MAXLEN, EventError, decode, stream_key
+from colocate_operator.status import StatusView, StepRecordStatus, WeightSyncStatus, step_patch
+from colocate_operator.steps import StepRecord, StepTracker, step_conditions
+from colocate_runtime.contract.events import STREAM_MAXLEN, EventError, decode, stream_key
 
 log = logging.getLogger("colocate_operator.steps")
 
-# An XREAD blocks until new entries or the next moment a decision is due without them (progress deadline,
-# heartbeat, write retry), and at most this long: every wake-up is a Redis round trip per job, which at
-# hundreds of jobs costs the operator a share of a core. Stopping cancels the task wherever it waits.
+# An XREAD blocks until new entries, and at most this long (then progress.caught_up_at moves on). Stopping
+# cancels the reader wherever it waits.
 READ_BLOCK_MAX_SECONDS = 10.0
-READ_BLOCK_MIN_SECONDS = 0.05
-READ_COUNT = 100  # entries per XREAD: bounds what a lagging follower holds decoded at once
+READ_COUNT = 100  # entries per stream and XREAD: bounds what a lagging job holds decoded at once
+READ_ENTRIES_MAX = 2000  # entries per XREAD over all streams (the per-stream count shrinks with many jobs)
+READ_COUNT_MIN = 16
+# After a reply that drained every stream, the next XREAD waits this long, so that busy streams cost one
+# wake-up per interval (a batch each), not one per entry; a stream that filled its count is read at once.
+READ_BATCH_SECONDS = 0.1
+JOIN_SETTLE_SECONDS = 0.05  # jobs joining a reader at once (an operator's start) share one new XREAD
+DECISION_MAX_WAIT_SECONDS = 10.0
+DECISION_MIN_WAIT_SECONDS = 0.05
+WRITE_SETTLE_SECONDS = 0.25  # after a step boundary, the rest of a burst joins the same write
+WRITE_MIN_INTERVAL_SECONDS = 2.0  # status writes per job at most this often (a step per second: every 2nd)
 HEARTBEAT_SECONDS = 15.0  # a phase-only change waits at most this long to reach status
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
 MAX_BACKOFF = 30.0
 WRITE_RETRY_SECONDS = 10.0
 CONFLICT_RETRY_SECONDS = 1.0
+WRITE_TRIES = 5
+WRITES_IN_FLIGHT = 16  # status writes at once, over all jobs (also the followers' API threads)
 SKIP_EVENT_INTERVAL = 60.0  # skipped entries reach the job as one Event per job at most this often
 EVENT_MESSAGE_MAX_CHARS = 1024
-TRIM_EVERY = 1000  # entries read between two XTRIMs
+TRIM_EVERY = 1000  # entries read between two XTRIMs of a stream
 
 
 class JobGone(Exception):
     """The job was deleted while its follower ran."""
 
 
-@dataclass
-class _Writes:
-    dirty: bool = False  # a step boundary not yet in status (a write can lose 5 conflicts in a row)
-    last_write: float = 0.0
-    written_phase: str = ""
-    written_stalled: bool = False
-    last_success_event: float = 0.0
-    last_posted: tuple[int, str] | None = None  # (step, result) of the last step Event
-    retry_at: float = 0.0  # after a refused write, wait before the next try (and the next log line)
+# Credentials ---------------------------------------------------------------------------------------------
 
 
 def check_managed_store_owned(api: kube.Kube, namespace: str, job: str, uid: str | None) -> None:
@@ -83,48 +102,448 @@ def password_from_secret(api: kube.Kube, namespace: str, name: str, key: str) ->
     return base64.b64decode(secret["data"][key]).decode()
 
 
+def _credentials(
+    api: kube.Kube,
+    store: MetaStoreEndpoint,
+    namespace: str,
+    name: str,
+    uid: str | None,
+    secret_reads: SecretReads | None = None,
+    fresh: bool = True,
+) -> str:
+    """The store's password. An External store's Secret as the reconciler (or another follower) read it
+    moments ago unless `fresh` (a reconnect after a failure reads it again: the password may have rotated)."""
+    if store.mode == "Managed":  # never our password to a Service someone else holds (M2)
+        check_managed_store_owned(api, namespace, name, uid)
+    elif secret_reads is not None:
+        seen = None if fresh else secret_reads.recent(namespace, store.secret_name)
+        if seen is None and not fresh:  # nothing remembered: share a read in flight
+            seen = secret_reads.read_shared(api, namespace, store.secret_name)
+        elif seen is None or store.secret_key not in seen.data:  # a missing key is never taken from memory
+            seen = secret_reads.read(api, namespace, store.secret_name)
+        if seen is None or store.secret_key not in seen.data:
+            raise LookupError(f"Secret {namespace}/{store.secret_name} has no key {store.secret_key!r}")
+        return base64.b64decode(seen.data[store.secret_key]).decode()
+    return password_from_secret(api, namespace, store.secret_name, store.secret_key)
+
+
+# Status writes -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSnapshot:
+    """What one status write carries, taken on the event loop (the reader goes on changing the tracker
+    while the write runs in a thread)."""
+
+    weight_sync: WeightSyncStatus
+    recent_steps: tuple[StepRecordStatus, ...]
+    conditions: tuple[Condition, ...]
+    phase: str
+    stalled: bool
+    boundaries: int  # the follow's boundary count when taken
+    newest: StepRecord | None
+
+    @classmethod
+    def of(cls, tracker: StepTracker, stalled: bool, deadline: float, boundaries: int) -> StepSnapshot:
+        return cls(
+            tracker.weight_sync_status(),
+            tracker.recent_steps_status(),
+            tuple(step_conditions(tracker, stalled, deadline)),
+            tracker.current_phase,
+            stalled,
+            boundaries,
+            tracker.recent[-1] if tracker.recent else None,
+        )
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The job as the last status write left it (or as last read): enough to write again without a GET."""
+
+    uid: str | None
+    resource_version: str
+    generation: int
+    conditions: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> JobView:
+        meta = body["metadata"]
+        return cls(
+            meta.get("uid"),
+            meta["resourceVersion"],
+            int(meta.get("generation") or 0),
+            tuple((body.get("status") or {}).get("conditions") or ()),
+        )
+
+
 def write_status(
     api: kube.Kube,
     namespace: str,
     name: str,
-    tracker: StepTracker,
-    stalled: bool,
-    deadline: float,
+    snapshot: StepSnapshot,
+    view: JobView | None = None,
     uid: str | None = None,
-) -> bool:
-    """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest).
-    False when every try lost a conflict; raises JobGone when the job no longer exists, or when `uid` is
-    given and the job of that name is a newer one (deleted and created again: it gets its own follower)."""
-    for _ in range(5):
-        body = api.get(kube.COLOCATE_JOBS, namespace, name)
-        if body is None or (uid is not None and body["metadata"].get("uid") != uid):
+) -> JobView | None:
+    """Patch the step-owned part of status with optimistic concurrency (the reconciler writes the rest),
+    starting from `view` when given (no GET: the reconciler rarely writes a running job's status; a 409
+    reads again). Returns the view the write left, None when every try lost a conflict; raises JobGone when
+    the job no longer exists, or when `uid` is given and the job of that name is a newer one (deleted and
+    created again: it gets its own follower)."""
+    for _ in range(WRITE_TRIES):
+        if view is None:
+            body = api.get(kube.COLOCATE_JOBS, namespace, name)
+            if body is None:
+                raise JobGone(f"{namespace}/{name}")
+            view = JobView.of(body)
+        if uid is not None and view.uid != uid:
             raise JobGone(f"{namespace}/{name}")
-        current = (body.get("status") or {}).get("conditions") or []
         merged = conditions.merge(
-            current,
-            step_conditions(tracker, stalled, deadline),
-            datetime.now(UTC),
-            int(body["metadata"].get("generation") or 0),
+            list(view.conditions), list(snapshot.conditions), datetime.now(UTC), view.generation
         )
         patch = {
-            "metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-            "status": {
-                "weightSync": tracker.weight_sync_status(),
-                "recentSteps": tracker.recent_steps_status(),
-                "conditions": merged,
-            },
+            "metadata": {"resourceVersion": view.resource_version},
+            "status": step_patch(snapshot.weight_sync, snapshot.recent_steps, merged),
         }
         try:
-            api.patch(kube.COLOCATE_JOBS, namespace, name, patch, subresource="status")
+            written = api.patch(kube.COLOCATE_JOBS, namespace, name, patch, subresource="status")
         except kube.KubeError as e:
             if e.status == 409:
-                continue  # the reconciler wrote in between: read again
+                view = None  # the reconciler wrote in between: read again
+                continue
             if e.status == 404:
                 raise JobGone(f"{namespace}/{name}") from None
             raise
         metrics.STATUS_WRITES.labels("steps").inc()
-        return True
-    return False
+        if not isinstance(written, str) or not written:
+            return JobView(view.uid, "", view.generation, ())  # no resourceVersion echoed: read next time
+        return JobView(view.uid, written, view.generation, tuple(merged))
+    return None
+
+
+def newer_view(mine: JobView | None, watched: JobView | None) -> JobView | None:
+    """The newer of the view our last write left and the one the job's watch brought last (by
+    resourceVersion; an opaque or empty one never counts as newer). None: read before writing."""
+    if watched is None or mine is None:
+        return mine
+    newer = (version(watched.resource_version) or 0) > (version(mine.resource_version) or 0)
+    return watched if newer else mine
+
+
+@dataclass
+class _Writes:
+    boundaries: int = 0  # step boundaries already in status (the follow counts those it saw)
+    dirty_since: float = 0.0  # when the oldest boundary not yet in status was seen
+    last_write: float = 0.0
+    written_phase: str = ""
+    written_stalled: bool = False
+    last_success_event: float = 0.0
+    last_posted: tuple[int, str] | None = None  # (step, result) of the last step Event
+    retry_at: float = 0.0  # after a refused write, wait before the next try (and the next log line)
+    view: JobView | None = None
+
+
+def decision_wait(tracker: StepTracker, writes: _Writes, dirty: bool, deadline: float, now: float) -> float:
+    """How long a job's writer may wait for its reader's news: until the next status decision that needs
+    no new entry (a stall to write, a coalesced write due, a heartbeat, a retry)."""
+    dues = [now + DECISION_MAX_WAIT_SECONDS]
+    if (
+        not writes.written_stalled
+        and tracker.final_result is None
+        and tracker.last_progress_ts is not None
+        and tracker.paused_since is None
+    ):
+        dues.append(tracker.last_progress_ts + deadline)  # the stall that would then be written
+    if dirty:
+        dues.append(_write_due(writes))
+    if tracker.current_phase != writes.written_phase:
+        dues.append(max(writes.retry_at, writes.last_write + HEARTBEAT_SECONDS))
+    return min(DECISION_MAX_WAIT_SECONDS, max(DECISION_MIN_WAIT_SECONDS, min(dues) - now))
+
+
+def _write_due(writes: _Writes) -> float:
+    return max(
+        writes.retry_at,
+        writes.dirty_since + WRITE_SETTLE_SECONDS,
+        writes.last_write + WRITE_MIN_INTERVAL_SECONDS,
+    )
+
+
+# One job's follow ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Skips:
+    """Entries skipped and GPUs/steps dropped, reported as one Event at most every SKIP_EVENT_INTERVAL."""
+
+    count: int = 0
+    last: str = ""
+    reported_count: int = 0
+    reported_dropped: int = 0
+    last_event: float = float("-inf")
+
+
+@dataclass
+class _Trim:
+    """XTRIM MAXLEN ~ STREAM_MAXLEN every TRIM_EVERY entries read: the writers cap the stream themselves,
+    but a writer that does not must not grow Redis or the next replay. A store that refuses XTRIM (an
+    External one with a restricted user) is followed untrimmed."""
+
+    unread: int = 0
+    refused: bool = False
+
+    async def maybe(self, client: aioredis.Redis, key: str, job: str) -> None:
+        if self.refused or self.unread < TRIM_EVERY:
+            return
+        self.unread = 0
+        try:
+            # LIMIT 0: an approximate trim otherwise removes at most 10000 entries per call.
+            await client.xtrim(key, maxlen=STREAM_MAXLEN, approximate=True, limit=0)
+        except ResponseError as e:
+            self.refused = True
+            log.warning("the meta-store of %s refuses XTRIM, not trimming: %s", job, e)
+
+
+@dataclass(eq=False)
+class _Follow:
+    """One job's stream state, shared by its reader (which feeds it entries) and its own task (which writes
+    status). Both run on the event loop, so no lock."""
+
+    namespace: str
+    name: str
+    uid: str | None
+    key: str
+    tracker: StepTracker
+    progress: StreamProgress
+    last_id: str = "0-0"
+    boundaries: int = 0  # step boundaries seen
+    reads: int = 0  # XREADs that covered this stream
+    skips: _Skips = field(default_factory=_Skips)
+    trim: _Trim = field(default_factory=_Trim)
+    news: asyncio.Event = field(default_factory=asyncio.Event)  # the reader brought entries, or left
+    lost: asyncio.Future[None] | None = None  # done when the reader lets go of the job (with its error)
+    # The job as its newest watch event showed it (StepWatchers keeps it): a write starts from it when it is
+    # newer than what the last write left, instead of losing a 409 to the reconciler's writes and reading.
+    latest_view: Callable[[], JobView | None] | None = None
+
+    @property
+    def job(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def consume(self, entries: list[tuple[Any, dict[Any, Any]]]) -> bool:
+        """Fold entries into the tracker; True when its writer has news (a step boundary, a new phase,
+        something to report), so that entries changing nothing it writes wake no task. The stream is untrusted
+        input: whatever one entry raises, it is skipped and counted, never fatal."""
+        self.trim.unread += len(entries)
+        tracker = self.tracker
+        mark = (self.boundaries, tracker.current_phase, self.skips.count, tracker.dropped)
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            try:
+                event = decode(fields)
+                before = (tracker.last_completed_step, len(tracker.recent))
+                if tracker.observe(event):
+                    self.boundaries += 1
+                    _record_metrics(self.namespace, self.name, tracker, before)
+            except Exception as e:  # one entry never stops the follower, whatever it holds
+                self.skips.count += 1
+                self.skips.last = str(e) if isinstance(e, EventError) else type(e).__name__
+        return mark != (self.boundaries, tracker.current_phase, self.skips.count, tracker.dropped)
+
+    def let_go(self, error: BaseException | None) -> None:
+        if self.lost is not None and not self.lost.done():
+            if error is None:
+                self.lost.set_result(None)
+            else:
+                self.lost.set_exception(error)
+        self.news.set()
+
+
+# Readers: one connection and one blocking XREAD per meta-store endpoint ----------------------------------
+
+
+class _Reader:
+    """Reads the streams of every job attached to one endpoint in one multiplexed XREAD loop. A job joining
+    interrupts the blocking XREAD (redis-py drops and redials the connection; joins arriving together share
+    it). A connection failure lets go of every job: each resolves its credentials again and joins anew."""
+
+    def __init__(self, address: str, password: str, on_close: Callable[[_Reader], None]) -> None:
+        host, _, port = address.rpartition(":")
+        self.client = aioredis.Redis(
+            host=host,
+            port=int(port),
+            password=password,
+            socket_timeout=READ_BLOCK_MAX_SECONDS + 5,
+            socket_connect_timeout=5,
+        )
+        self.jobs: dict[str, _Follow] = {}
+        self.xreads = 0
+        self._joined = asyncio.Event()
+        self._on_close = on_close
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def attach(self, follow: _Follow) -> asyncio.Future[None]:
+        if self.closed:
+            raise ConnectionError("the reader closed")
+        held = self.jobs.get(follow.key)
+        if held is not None and held is not follow:
+            raise ValueError(f"the stream of {follow.job} is followed already")
+        follow.lost = asyncio.get_running_loop().create_future()
+        follow.lost.add_done_callback(_retrieved)  # a follower cancelled meanwhile never looks at it
+        follow.trim.unread = TRIM_EVERY  # trim before a replay from the start
+        self.jobs[follow.key] = follow
+        self._joined.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"steps-reader:{id(self)}")
+        return follow.lost
+
+    def detach(self, follow: _Follow) -> None:
+        if self.jobs.get(follow.key) is follow:
+            del self.jobs[follow.key]
+        if not self.jobs and self._task is not None and not self._task.done():
+            self.closed = True  # a job joining now gets a new reader, not this stopping one
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            while self.jobs:
+                await self._read_once()
+        except asyncio.CancelledError:
+            pass
+        except (RedisError, OSError) as e:
+            error = e
+        except Exception as e:  # a defect: every job retries rather than waits on a dead reader
+            log.exception("step stream reader failed")
+            error = e
+        finally:
+            self.closed = True
+            self._on_close(self)
+            for follow in list(self.jobs.values()):
+                follow.let_go(error or ConnectionError("the reader stopped"))
+            self.jobs.clear()
+            await self.client.aclose()
+
+    async def _read_once(self) -> None:
+        self._joined.clear()
+        jobs = dict(self.jobs)
+        for key, follow in jobs.items():
+            await follow.trim.maybe(self.client, key, follow.job)
+        count = max(READ_COUNT_MIN, min(READ_COUNT, READ_ENTRIES_MAX // len(jobs)))
+        streams = {key: follow.last_id for key, follow in jobs.items()}
+        issued = time.time()
+        read = asyncio.ensure_future(
+            self.client.xread(streams, count=count, block=round(READ_BLOCK_MAX_SECONDS * 1000))  # type: ignore[arg-type]
+        )
+        joined = asyncio.ensure_future(self._joined.wait())
+        try:
+            await asyncio.wait({read, joined}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            joined.cancel()
+            if not read.done():
+                read.cancel()  # a job joined: read again over the new set of streams
+        if not read.done() or read.cancelled():
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await read
+            await asyncio.sleep(JOIN_SETTLE_SECONDS)
+            return
+        try:
+            reply = read.result()
+        except ResponseError:
+            if await self._let_go_of_broken_streams(jobs):
+                return
+            raise
+        self.xreads += 1
+        full = self._deliver(jobs, reply, count, issued)
+        if reply and not full:
+            await asyncio.sleep(READ_BATCH_SECONDS)
+
+    def _deliver(self, jobs: dict[str, _Follow], reply: Any, count: int, issued: float) -> bool:
+        """Hand each stream's entries to its job; True when some stream filled its count."""
+        read: dict[str, int] = {}
+        news: set[str] = set()
+        for stream, entries in reply or []:
+            key = stream.decode() if isinstance(stream, bytes) else str(stream)
+            follow = jobs.get(key)
+            if follow is None or self.jobs.get(key) is not follow:
+                continue  # detached while the XREAD ran
+            if follow.consume(entries):
+                news.add(key)
+            read[key] = len(entries)
+        for key, follow in jobs.items():
+            follow.reads += 1
+            # The reconciler's catch-up barrier before a pod exit counts as failure.
+            follow.progress.final = follow.tracker.final_result is not None
+            if read.get(key, 0) < count:
+                follow.progress.caught_up_at = issued  # everything added before `issued` has been read
+            if key in news:
+                follow.news.set()
+        return any(n >= count for n in read.values())
+
+    async def _let_go_of_broken_streams(self, jobs: dict[str, _Follow]) -> bool:
+        """One job's key that is no stream (any container of the job can write its Redis) fails the XREAD
+        of every job on the endpoint: let go of that job only (it retries with backoff)."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in jobs:
+            pipe.type(key)
+        types = await pipe.execute()
+        broken = [
+            (key, kind.decode() if isinstance(kind, bytes) else str(kind))
+            for key, kind in zip(jobs, types, strict=True)
+            if kind not in (b"stream", b"none", "stream", "none")
+        ]
+        for key, kind in broken:
+            follow = jobs[key]
+            self.detach(follow)
+            follow.let_go(ValueError(f"the step stream key of {follow.job} holds a {kind}, not a stream"))
+        return bool(broken)
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class Readers:
+    """The readers of one operator, by endpoint, and the thread pool its followers call the API server
+    through. Jobs share a reader when their store's address and password are the same (the password enters
+    the key only as a digest)."""
+
+    def __init__(self) -> None:
+        self._by_endpoint: dict[tuple[str, str], _Reader] = {}
+        self._pool = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="steps-api")
+        self._write_turns: asyncio.Semaphore | None = None
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` (a blocking API call) in the followers' thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def write_turns(self) -> asyncio.Semaphore:
+        """Taken around a status write: at most WRITES_IN_FLIGHT at once, in the order asked (FIFO)."""
+        if self._write_turns is None:
+            self._write_turns = asyncio.Semaphore(WRITES_IN_FLIGHT)
+        return self._write_turns
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __len__(self) -> int:
+        return len(self._by_endpoint)
+
+    def reader(self, address: str, password: str) -> _Reader:
+        key = (address, hashlib.sha256(password.encode()).hexdigest())
+        reader = self._by_endpoint.get(key)
+        if reader is None or reader.closed:
+            reader = _Reader(address, password, lambda r: self._closed(key, r))
+            self._by_endpoint[key] = reader
+        return reader
+
+    def xreads(self) -> int:
+        return sum(r.xreads for r in self._by_endpoint.values())
+
+    def _closed(self, key: tuple[str, str], reader: _Reader) -> None:
+        if self._by_endpoint.get(key) is reader:
+            del self._by_endpoint[key]
 
 
 async def follow(
@@ -135,15 +554,46 @@ async def follow(
     *,
     on_tracker: Callable[[StepTracker], None] | None = None,
     progress: StreamProgress | None = None,
+    readers: Readers | None = None,
+    body: dict[str, Any] | None = None,
+    secret_reads: SecretReads | None = None,
+    latest_view: Callable[[], JobView | None] | None = None,
 ) -> None:
     """Follow one job's stream until cancelled (job deleted or operator exiting) or the job is gone.
 
     The stream is untrusted input (any container of the job writes it): an entry that does not decode, or
     whatever else one entry raises, is skipped and counted, and the count reaches the job as one rate-limited
-    Event. The stream is trimmed to STREAM_MAXLEN when the follower connects and as it reads, so neither
-    Redis nor a replay from the start grows with what a writer that ignores MAXLEN appends. `on_tracker`
-    sees the tracker once it exists (tests measure its state)."""
-    body = await asyncio.to_thread(api.get, kube.COLOCATE_JOBS, namespace, name)
+    Event. The stream is trimmed to STREAM_MAXLEN when the job joins its reader and as it is read, so neither
+    Redis nor a replay from the start grows with what a writer that ignores MAXLEN appends. `readers` are
+    the operator's (a private set when None); `on_tracker` sees the tracker once it exists (tests measure
+    its state). `body` is the job as its watch event brought it (read here when None); `secret_reads` the
+    operator's recent Secret reads, which spare the first connection a read of an External store's Secret;
+    `latest_view` the job as its newest watch event showed it (a write starts from it when newer)."""
+    private = readers is None
+    readers = Readers() if readers is None else readers  # an empty Readers is falsy (len)
+    try:
+        await _follow(
+            namespace, name, api, config, readers, on_tracker, progress, body, secret_reads, latest_view
+        )
+    finally:
+        if private:
+            readers.close()
+
+
+async def _follow(
+    namespace: str,
+    name: str,
+    api: kube.Kube,
+    config: OperatorConfig,
+    readers: Readers,
+    on_tracker: Callable[[StepTracker], None] | None,
+    progress: StreamProgress | None,
+    body: dict[str, Any] | None,
+    secret_reads: SecretReads | None,
+    latest_view: Callable[[], JobView | None] | None = None,
+) -> None:
+    if body is None:
+        body = await readers.call(api.get, kube.COLOCATE_JOBS, namespace, name)
     if body is None:
         return
     uid = body["metadata"].get("uid")
@@ -158,36 +608,33 @@ async def follow(
     if on_tracker is not None:
         on_tracker(tracker)
     key = stream_key(namespace, name)
-    writes = _Writes()
-    skips = _Skips()
-    trim = _Trim()
+    state = _Follow(namespace, name, uid, key, tracker, progress or StreamProgress(), latest_view=latest_view)
+    writes = _Writes(view=JobView.of(body))
     backoff = 1.0
-    client: aioredis.Redis | None = None
-    last_id = "0-0"
+    reader: _Reader | None = None
+    fresh = False  # the first connection may use a recent read of the Secret; a reconnect reads it again
     try:
         while True:
+            reads = state.reads
             try:
-                if client is None:
-                    if store.mode == "Managed":  # never our password to a Service someone else holds (M2)
-                        await asyncio.to_thread(check_managed_store_owned, api, namespace, name, uid)
-                    password = await asyncio.to_thread(
-                        password_from_secret, api, namespace, store.secret_name, store.secret_key
-                    )
-                    host, _, port = store.address.rpartition(":")
-                    client = aioredis.Redis(
-                        host=host,
-                        port=int(port),
-                        password=password,
-                        socket_timeout=READ_BLOCK_MAX_SECONDS + 5,
-                        socket_connect_timeout=5,
-                    )
-                    trim.unread = TRIM_EVERY  # trim before a replay from the start
-                await trim.maybe(client, key, namespace, name)
-                block = block_seconds(tracker, writes, sync.progress_deadline_seconds, time.time())
-                issued = time.time()
-                reply = await client.xread({key: last_id}, count=READ_COUNT, block=round(block * 1000))
-                backoff = 1.0
+                password = await readers.call(
+                    _credentials, api, store, namespace, name, uid, secret_reads, fresh
+                )
+                fresh = True
+                reader = readers.reader(store.address, password)
+                lost = reader.attach(state)
+                deadline = float(sync.progress_deadline_seconds)
+                await _write_until_lost(api, readers, body, state, writes, lost, deadline)
+                lost.result()  # raises what the reader failed with
+                raise ConnectionError("the reader let go")
+            except JobGone:
+                return
             except (RedisError, OSError, LookupError, ValueError, kube.KubeError, HTTPError) as e:
+                if reader is not None:
+                    reader.detach(state)
+                    reader = None
+                if state.reads > reads:
+                    backoff = 1.0  # it read before it failed: a new failure, not a persisting one
                 log.warning(
                     "step stream of %s/%s unavailable, retrying in %.0f s: %s",
                     namespace,
@@ -195,50 +642,62 @@ async def follow(
                     backoff,
                     type(e).__name__ if isinstance(e, RedisError | HTTPError) else e,
                 )
-                if client is not None:
-                    await client.aclose()
-                    client = None
-                if await asyncio.to_thread(_job_gone, api, namespace, name, uid):
+                if await readers.call(_job_gone, api, namespace, name, uid):
                     log.info("step follower of %s/%s stops: the job is gone", namespace, name)
                     return  # deleted while no watch event could stop us (L8)
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
-                continue
-            boundary = False
-            for _stream, entries in reply or []:
-                trim.unread += len(entries)
-                for entry_id, fields in entries:
-                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                    try:
-                        event = decode(fields)
-                        before = (tracker.last_completed_step, len(tracker.recent))
-                        if tracker.observe(event):
-                            boundary = True
-                            _record_metrics(namespace, name, tracker, before)
-                    except Exception as e:  # one entry never stops the follower, whatever it holds
-                        skips.count += 1
-                        skips.last = str(e) if isinstance(e, EventError) else type(e).__name__
-            if progress is not None:  # the reconciler's catch-up barrier before a pod exit counts as failure
-                progress.final = tracker.final_result is not None
-                if sum(len(entries) for _stream, entries in reply or []) < READ_COUNT:
-                    progress.caught_up_at = issued  # everything added before `issued` has been read
-            try:
-                await asyncio.to_thread(_report_skips, api, body, tracker, skips, time.time())
-                await _maybe_write(api, body, tracker, writes, boundary, sync.progress_deadline_seconds)
-            except JobGone:
-                return
-            except Exception as e:  # refused (KubeError) or the apiserver unreachable: retry, never die
-                writes.retry_at = time.time() + WRITE_RETRY_SECONDS
-                log.warning(
-                    "writing step status of %s/%s failed, retrying in %.0f s: %s",
-                    namespace,
-                    name,
-                    WRITE_RETRY_SECONDS,
-                    e if isinstance(e, kube.KubeError) else type(e).__name__,
-                )
     finally:
-        if client is not None:
-            await client.aclose()
+        if reader is not None:
+            reader.detach(state)
+
+
+async def _write_until_lost(
+    api: kube.Kube,
+    readers: Readers,
+    body: dict[str, Any],
+    state: _Follow,
+    writes: _Writes,
+    lost: asyncio.Future[None],
+    deadline: float,
+) -> None:
+    """Write status as the reader brings news, until it lets go of the job. Raises JobGone."""
+    tracker = state.tracker
+    while not lost.done():
+        dirty = _note_boundaries(state, writes, time.time())
+        wait = decision_wait(tracker, writes, dirty, deadline, time.time())
+        state.news.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await state.news.wait()
+        if lost.done():
+            return
+        now = time.time()
+        _note_boundaries(state, writes, now)
+        try:
+            skipped = _skips_due(state, now)
+            if skipped:
+                await readers.call(post_event, api, body, "Warning", "StepStreamUntrusted", skipped)
+            await _maybe_write(api, readers, body, state, writes, deadline)
+        except JobGone:
+            raise
+        except Exception as e:  # refused (KubeError) or the apiserver unreachable: retry, never die
+            writes.retry_at = time.time() + WRITE_RETRY_SECONDS
+            log.warning(
+                "writing step status of %s/%s failed, retrying in %.0f s: %s",
+                state.namespace,
+                state.name,
+                WRITE_RETRY_SECONDS,
+                e if isinstance(e, kube.KubeError) else type(e).__name__,
+            )
+
+
+def _note_boundaries(state: _Follow, writes: _Writes, now: float) -> bool:
+    """Whether step boundaries wait for a write; the first since the last write starts the burst."""
+    dirty = state.boundaries != writes.boundaries
+    if dirty and writes.dirty_since <= writes.last_write:
+        writes.dirty_since = now
+    return dirty
 
 
 def _job_gone(api: kube.Kube, namespace: str, name: str, uid: str | None) -> bool:
@@ -250,63 +709,19 @@ def _job_gone(api: kube.Kube, namespace: str, name: str, uid: str | None) -> boo
     return body is None or body["metadata"].get("uid") != uid
 
 
-@dataclass
-class _Skips:
-    """Entries skipped and GPUs/steps dropped, reported as one Event at most every SKIP_EVENT_INTERVAL."""
-
-    count: int = 0
-    last: str = ""
-    reported_count: int = 0
-    reported_dropped: int = 0
-    last_event: float = float("-inf")
-
-
-def _report_skips(
-    api: kube.Kube, body: dict[str, Any], tracker: StepTracker, skips: _Skips, now: float
-) -> None:
-    skipped, dropped = skips.count - skips.reported_count, tracker.dropped - skips.reported_dropped
+def _skips_due(state: _Follow, now: float) -> str:
+    """The StepStreamUntrusted message due now ("" if none), marking it reported."""
+    skips, dropped_total = state.skips, state.tracker.dropped
+    skipped, dropped = skips.count - skips.reported_count, dropped_total - skips.reported_dropped
     if not (skipped or dropped) or now - skips.last_event < SKIP_EVENT_INTERVAL:
-        return
+        return ""
     parts = []
     if skipped:
         parts.append(f"skipped {skipped} step-stream entries that are not step events (last: {skips.last})")
     if dropped:
         parts.append(f"let go of {dropped} GPUs or unfinished steps beyond the follower's bounds")
-    post_event(api, body, "Warning", "StepStreamUntrusted", "; ".join(parts)[:EVENT_MESSAGE_MAX_CHARS])
-    skips.reported_count, skips.reported_dropped, skips.last_event = skips.count, tracker.dropped, now
-
-
-@dataclass
-class _Trim:
-    """XTRIM MAXLEN ~ STREAM_MAXLEN every TRIM_EVERY entries read: the writers cap the stream themselves,
-    but a writer that does not must not grow Redis or the next replay. A store that refuses XTRIM (an
-    External one with a restricted user) is followed untrimmed."""
-
-    unread: int = 0
-    refused: bool = False
-
-    async def maybe(self, client: aioredis.Redis, key: str, namespace: str, name: str) -> None:
-        if self.refused or self.unread < TRIM_EVERY:
-            return
-        self.unread = 0
-        try:
-            # LIMIT 0: an approximate trim otherwise removes at most 10000 entries per call.
-            await client.xtrim(key, maxlen=STREAM_MAXLEN, approximate=True, limit=0)
-        except ResponseError as e:
-            self.refused = True
-            log.warning("the meta-store of %s/%s refuses XTRIM, not trimming: %s", namespace, name, e)
-
-
-def block_seconds(tracker: StepTracker, writes: _Writes, deadline: float, now: float) -> float:
-    """How long the next XREAD may block: until the next status decision that needs no new entry."""
-    dues = [now + READ_BLOCK_MAX_SECONDS]
-    if not writes.written_stalled and tracker.final_result is None and tracker.last_progress_ts is not None:
-        dues.append(tracker.last_progress_ts + deadline)  # the stall that would then be written
-    if writes.dirty:
-        dues.append(writes.retry_at)
-    if tracker.current_phase != writes.written_phase:
-        dues.append(max(writes.retry_at, writes.last_write + HEARTBEAT_SECONDS))
-    return min(READ_BLOCK_MAX_SECONDS, max(READ_BLOCK_MIN_SECONDS, min(dues) - now))
+    skips.reported_count, skips.reported_dropped, skips.last_event = skips.count, dropped_total, now
+    return "; ".join(parts)[:EVENT_MESSAGE_MAX_CHARS]
 
 
 def _record_metrics(namespace: str, name: str, tracker: StepTracker, before: tuple[int | None, int]) -> None:
@@ -318,38 +733,44 @@ def _record_metrics(namespace: str, name: str, tracker: StepTracker, before: tup
 
 
 async def _maybe_write(
-    api: kube.Kube,
-    body: dict[str, Any],
-    tracker: StepTracker,
-    writes: _Writes,
-    boundary: bool,
-    deadline: float,
+    api: kube.Kube, readers: Readers, body: dict[str, Any], state: _Follow, writes: _Writes, deadline: float
 ) -> None:
-    now = time.time()
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    stalled = tracker.stalled(now, deadline)
+    if not _write_wanted(state, writes, deadline, time.time()):
+        return
+    async with readers.write_turns():
+        now = time.time()  # the turn may have come later: what it writes is what is known now
+        stalled = state.tracker.stalled(now, deadline)
+        snapshot = StepSnapshot.of(state.tracker, stalled, deadline, state.boundaries)
+        start = newer_view(writes.view, state.latest_view() if state.latest_view else None)
+        view = await readers.call(write_status, api, state.namespace, state.name, snapshot, start, state.uid)
+    if view is None:
+        writes.view = None
+        writes.retry_at = now + CONFLICT_RETRY_SECONDS  # lost every try to other writers: back off a little
+        return
+    writes.view = view if view.resource_version else None
+    newly_stalled = stalled and not writes.written_stalled
+    writes.boundaries, writes.last_write = snapshot.boundaries, now
+    writes.written_phase, writes.written_stalled = snapshot.phase, stalled
+    await readers.call(_post_step_events, api, body, snapshot.newest, writes, newly_stalled, now)
+
+
+def _write_wanted(state: _Follow, writes: _Writes, deadline: float, now: float) -> bool:
+    tracker = state.tracker
+    tracker.pause(state.progress.paused, now)  # suspended: no stall; resumed: the deadline counts anew
+    if now < writes.retry_at:
+        return False
+    dirty = state.boundaries != writes.boundaries
     heartbeat_due = (
         tracker.current_phase != writes.written_phase and now - writes.last_write >= HEARTBEAT_SECONDS
     )
-    writes.dirty = writes.dirty or boundary
-    if now < writes.retry_at:
-        return
-    if not (writes.dirty or heartbeat_due or stalled != writes.written_stalled):
-        return
-    uid = body["metadata"].get("uid")
-    if not await asyncio.to_thread(write_status, api, namespace, name, tracker, stalled, deadline, uid):
-        writes.retry_at = now + CONFLICT_RETRY_SECONDS  # lost every try to other writers: back off a little
-        return
-    writes.dirty = False
-    newly_stalled = stalled and not writes.written_stalled
-    writes.last_write, writes.written_phase, writes.written_stalled = now, tracker.current_phase, stalled
-    await asyncio.to_thread(_post_step_events, api, body, tracker, writes, newly_stalled, now)
+    stall_changed = tracker.stalled(now, deadline) != writes.written_stalled
+    return (dirty and now >= _write_due(writes)) or heartbeat_due or stall_changed
 
 
 def _post_step_events(
     api: kube.Kube,
     body: dict[str, Any],
-    tracker: StepTracker,
+    newest: StepRecord | None,
     writes: _Writes,
     newly_stalled: bool,
     now: float,
@@ -359,9 +780,8 @@ def _post_step_events(
         post_event(
             api, body, "Warning", "StepStalled", "no weight-update step within progressDeadlineSeconds"
         )
-    if not tracker.recent:
+    if newest is None:
         return
-    newest = tracker.recent[-1]
     posted = (newest.step, newest.result)
     if posted == writes.last_posted:
         return
@@ -383,7 +803,8 @@ def _post_step_events(
 
 
 class StepWatchers:
-    """One follower task per job on kopf's event loop, started and stopped from the job's watch events.
+    """One follow task per job on kopf's event loop, started and stopped from the job's watch events, and
+    the readers they share.
 
     Not a kopf daemon: kopf puts a finalizer on every object that has a daemon, so deleting a job would hang
     whenever the operator is down. A follower that dies is started again by the job's next watch event.
@@ -392,28 +813,41 @@ class StepWatchers:
     def __init__(self, api: kube.Kube, config: OperatorConfig) -> None:
         self.api = api
         self.config = config
+        self.readers = Readers()
+        self.secret_reads = SecretReads(max_age=config.reconcile_interval_seconds)
         self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._progress: dict[tuple[str, str], StreamProgress] = {}
+        self._views: dict[
+            tuple[str, str], JobView
+        ] = {}  # each followed job as its newest watch event showed it
 
     def __len__(self) -> int:
         return len(self._running)
+
+    def set_paused(self, namespace: str, name: str, paused: bool) -> None:
+        """The job is Suspending or Suspended (or no longer): its follower counts no stall meanwhile."""
+        self._progress.setdefault((namespace, name), StreamProgress()).paused = paused
 
     def stream_progress(self, namespace: str, name: str) -> StreamProgress | None:
         """How far the job's follower has read (any thread may ask: the reconciler's workers do)."""
         return self._progress.get((namespace, name))
 
-    def ensure(self, namespace: str, name: str) -> None:
+    def ensure(self, namespace: str, name: str, body: Mapping[str, Any] | None = None) -> None:
+        """Start the job's follower unless it runs; `body` is the job as its watch event brought it."""
         key = (namespace, name)
+        if body is not None and (body.get("metadata") or {}).get("resourceVersion"):
+            self._views[key] = JobView.of(body)  # type: ignore[arg-type]
         if key in self._running:
             return
+        job = None if body is None else copy.deepcopy(dict(body))  # kopf keeps (and may change) its own
         self._running[key] = asyncio.get_running_loop().create_task(
-            self._run(namespace, name), name=f"steps:{namespace}/{name}"
+            self._run(namespace, name, job), name=f"steps:{namespace}/{name}"
         )
 
     def stop(self, namespace: str, name: str) -> None:
         task = self._running.get((namespace, name))
         if task is not None:
-            task.cancel()  # wherever it waits: XREAD, a backoff, a status write
+            task.cancel()  # wherever it waits: credentials, a backoff, a status write
 
     async def stop_all(self, timeout: float = 10.0) -> None:
         tasks = list(self._running.values())
@@ -421,11 +855,22 @@ class StepWatchers:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+        self.readers.close()
 
-    async def _run(self, namespace: str, name: str) -> None:
+    async def _run(self, namespace: str, name: str, body: dict[str, Any] | None) -> None:
         try:
             progress = self._progress.setdefault((namespace, name), StreamProgress())
-            await follow(namespace, name, self.api, self.config, progress=progress)
+            await follow(
+                namespace,
+                name,
+                self.api,
+                self.config,
+                progress=progress,
+                readers=self.readers,
+                body=body,
+                secret_reads=self.secret_reads,
+                latest_view=lambda: self._views.get((namespace, name)),
+            )
         except Exception:
             log.exception(
                 "step follower of %s/%s crashed; its next watch event starts it again", namespace, name
@@ -433,21 +878,53 @@ class StepWatchers:
         finally:
             self._running.pop((namespace, name), None)
             self._progress.pop((namespace, name), None)
+            self._views.pop((namespace, name), None)
             metrics.forget_job(namespace, name)
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
-    """Start a step follower for every job the operator sees, stop it when the job is deleted."""
+def job_seen(
+    memo: kopf.Memo, event_type: str | None, body: Mapping[str, Any], namespace: str, name: str
+) -> None:
+    """A job's watch event: start its follower (or stop it on DELETED). Called from the operator's one
+    handler of job events (handlers.py), so that each job event costs kopf one handler call, not two."""
+    if "step_watchers" not in memo:
+        return
+    if "reconciler" in memo and memo.reconciler.stream_progress is None:
+        memo.reconciler.stream_progress = memo.step_watchers.stream_progress
+        memo.reconciler.secret_reads = memo.step_watchers.secret_reads
+    if event_type == "DELETED":
+        memo.step_watchers.stop(namespace, name)
+    else:
+        memo.step_watchers.ensure(namespace, name, body)  # its body spares the follower a GET of the job
+        paused = StatusView.of(body).phase in (Phase.SUSPENDING, Phase.SUSPENDED)
+        memo.step_watchers.set_paused(namespace, name, paused)
 
-    @kopf.on.event(GROUP, VERSION, PLURAL, id="steps", registry=registry)
-    async def job_event(event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-        if "step_watchers" not in memo:
-            memo.step_watchers = StepWatchers(memo.reconciler.api, config)
+
+def register(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    api: kube.Kube | None = None,
+    *,
+    watch_jobs: bool = True,
+) -> None:
+    """Start a step follower for every job the operator sees, stop it when the job is deleted. `api` is the
+    followers' client (the environment's credentials at startup when None). `watch_jobs=False`: the caller's
+    own handler of job events calls `job_seen` (handlers.py does)."""
+
+    @kopf.on.startup(id="start-steps", registry=registry)
+    def start_followers(memo: kopf.Memo, **_: Any) -> None:
+        memo.step_watchers = StepWatchers(api or kube.Kube.from_environment(), config)
+        if "reconciler" in memo:  # the reconciler's catch-up barrier asks how far a follower has read
             memo.reconciler.stream_progress = memo.step_watchers.stream_progress
-        if event.get("type") == "DELETED":
-            memo.step_watchers.stop(namespace, name)
-        else:
-            memo.step_watchers.ensure(namespace, name)
+            memo.reconciler.secret_reads = memo.step_watchers.secret_reads  # one Secret read per job
+
+    if watch_jobs:
+
+        @kopf.on.event(GROUP, VERSION, PLURAL, id="steps", registry=registry)
+        async def job_event(
+            event: dict[str, Any], body: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any
+        ) -> None:
+            job_seen(memo, event.get("type"), body, namespace, name)
 
     @kopf.on.cleanup(id="stop-steps", registry=registry)
     async def stop_followers(memo: kopf.Memo, **_: Any) -> None:

@@ -108,6 +108,10 @@ OPERATOR_RULES = {
     ("policy", "poddisruptionbudgets"): {"get", "create"},
     ("resource.k8s.io", "resourceclaimtemplates"): {"get", "create"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
+    ("scheduling.k8s.io", "workloads"): {"get", "create"},
+    ("scheduling.k8s.io", "podgroups"): {"get", "create"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create"},
+    ("kueue.x-k8s.io", "workloads/status"): {"patch"},
 }
 
 
@@ -127,6 +131,8 @@ def test_rbac_grants_only_the_verbs_the_operator_uses(cluster: Cluster) -> None:
     discovery = {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("resource.k8s.io", "deviceclasses"): {"get"},
+        ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
+        ("kueue.x-k8s.io", "resourceflavors"): {"get"},
     }
     # Cluster-wide, kopf needs no namespaces; watching listed ones, it follows them appearing.
     assert grants(wide["rel-colocate-operator-discovery"]) == discovery

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from colocate_devcluster import Cluster
+from colocate_devcluster.kueue import Kueue
 from colocate_devcluster.processes import free_port
 from tests.kube import ChartIdentity, chart_identity, forbidden_lines
+from tests.operator import kueue_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
@@ -123,3 +125,15 @@ def operator_process(
     print(f"\n[operator log: {process.log_path}]\n{process.log()[-3000:]}", file=sys.stderr)
     refused = forbidden_lines(process.log())
     assert not refused, "the chart's RBAC refused the operator:\n" + "\n".join(refused[:10])
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: Cluster) -> Kueue:
+    """Kueue for this session's cluster, started by the first module that asks and left running with it."""
+    return kueue_setup.started_kueue(cluster)
+
+
+@pytest.fixture
+def quota(cluster: Cluster, kueue: Kueue, namespace: str) -> Iterator[kueue_setup.Quota]:
+    """Quota for exactly one job in the test's namespace; removed, jobs first, while Kueue still runs."""
+    yield from kueue_setup.quota_for(cluster, namespace)

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from colocate_devcluster.localredis import RedisServer
 from tests.kube import ChartIdentity, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.test_integration import apply_job, get, job_status, pods, running_pods, wait_phase
 from tests.operator.test_stepwatch_integration import GPUS, emit, start_job, status
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_apiserver_restarted_mid_reconcile_the_operator_converges_without_duplic
     namespace: str,
     tmp_path: Path,
     operator_identity: ChartIdentity,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     operator = OperatorProcess(
         namespace, tmp_path / "operator.log", operator_identity, COLOCATE_CREATE_DELAY_SECONDS="1"

@@ -11,8 +11,6 @@ from colocate_operator import disruption, gpus, metastore, names, pods
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     CLAIM_NAME,
-    KUEUE_POD_GROUP_COUNT_ANNOTATION,
-    KUEUE_POD_GROUP_LABEL,
     KUEUE_QUEUE_LABEL,
     LABEL_REPLICA_INDEX,
     LABEL_RESTART,
@@ -240,23 +238,17 @@ def test_claim_template_requests_gpus_per_node_of_the_device_class() -> None:
     assert request["exactly"]["selectors"][0]["cel"]["expression"].startswith("device.attributes")
 
 
-@pytest.mark.parametrize(
-    ("queue", "labels", "annotations"),
-    [
-        (None, {}, {}),
-        (
-            "team-a",
-            {KUEUE_QUEUE_LABEL: "team-a", KUEUE_POD_GROUP_LABEL: "demo"},
-            {KUEUE_POD_GROUP_COUNT_ANNOTATION: "2"},
-        ),
-    ],
-)
-def test_kueue_plain_pod_group(queue: str | None, labels: dict, annotations: dict) -> None:
-    pod = build_pod(factories.job(scheduling={"queueName": queue} if queue else {}))
-    meta = pod["metadata"]
+@pytest.mark.parametrize("queue", [None, "team-a"])
+def test_worker_pods_carry_no_kueue_queue_label(queue: str | None) -> None:
+    """A queued job is a Workload of its own (kueue.py): a queue label on its pods would have Kueue's pod
+    integration queue them again, so none is set, and a user's copy of it in spec.pod.labels is dropped."""
+    job = factories.job(
+        scheduling={"queueName": queue} if queue else {}, pod={"labels": {KUEUE_QUEUE_LABEL: "other"}}
+    )
+    meta = build_pod(job)["metadata"]
     kueue_labels = {k: v for k, v in meta["labels"].items() if k.startswith("kueue.")}
     kueue_annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if k.startswith("kueue.")}
-    assert (kueue_labels, kueue_annotations) == (labels, annotations)
+    assert (kueue_labels, kueue_annotations) == ({}, {})
 
 
 def test_scheduling_and_pod_options() -> None:

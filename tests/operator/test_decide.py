@@ -14,9 +14,10 @@ from colocate_operator.addresses import AddressAllowList
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import Cond, Phase, Reason
-from colocate_operator.decide import Plan, decide, restart_delay, status_patch
+from colocate_operator.decide import Plan, decide, restart_delay
 from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState
 from colocate_operator.spec import ColocateJob
+from colocate_operator.status import status_patch
 from tests.operator import factories
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)

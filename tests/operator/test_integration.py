@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from colocate_runtime.colocated.events import StepEvent, final_termination_message, stream_key, xadd
-from tests.kube import ChartIdentity, wait_for
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.contract.events import StepEvent, final_termination_message, stream_key, xadd
+from tests.kube import ChartIdentity, external_metastore, metastore_secret, wait_for
 from tests.operator import factories
 from tests.operator.conftest import OperatorProcess
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -62,6 +62,19 @@ def wait_phase(
         lambda: (s := job_status(cluster, namespace, name)).get("phase") == phase and s,
         timeout,
         f"ColocateJob {namespace}/{name} phase {phase}",
+    )
+
+
+def wait_condition(
+    cluster, namespace: str, type_: str, status: str, timeout: float = 30, name: str = "demo"
+) -> dict[str, Any]:
+    """Wait until the job's condition `type_` has `status`; returns the job's status then."""
+    return wait_for(
+        lambda: (
+            (s := job_status(cluster, namespace, name)) and condition(s, type_).get("status") == status and s
+        ),
+        timeout,
+        f"{type_}={status} on ColocateJob {namespace}/{name}",
     )
 
 
@@ -753,26 +766,14 @@ def test_a_finished_training_is_not_restarted_when_the_operator_restarts_as_it_e
     cluster,
     namespace: str,
     operator_identity,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
     tmp_path: Path,
 ) -> None:
     """M4: the trainer records its final step and the pods exit 0 while no operator runs. The restarted
     operator sees Succeeded pods before its step follower has replayed the stream: it must wait for the
     follower (catch-up barrier), not restart a finished training."""
-    cluster.kubectl(
-        "create",
-        "secret",
-        "generic",
-        "ms",
-        "-n",
-        namespace,
-        f"--from-literal=password={redis_server.password}",
-    )
-    external = {
-        "mode": "External",
-        "external": {"address": redis_server.addr, "passwordSecretRef": {"name": "ms"}},
-    }
-    apply_job(cluster, namespace, gpusPerNode=1, metaStore=external)
+    metastore_secret(cluster, namespace, redis_server)
+    apply_job(cluster, namespace, gpusPerNode=1, metaStore=external_metastore(redis_server))
     first = OperatorProcess(namespace, tmp_path / "operator-1.log", operator_identity).start()
     try:
         wait_phase(cluster, namespace, "Running")

@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import redis
 
-from colocate_runtime.colocated import events as ev
-from colocate_runtime.colocated.events import StepEvent, stream_key, xadd
-from tests.kube import get_json, wait_for
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.contract import events as ev
+from colocate_runtime.contract.events import StepEvent, stream_key, xadd
+from tests.kube import external_metastore, get_json, metastore_secret, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.factories import body
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.operator.test_integration import wait_condition
 
 pytestmark = pytest.mark.integration
 
@@ -26,10 +27,7 @@ def start_job(cluster: Any, namespace: str, name: str, server: RedisServer, mode
         namespace,
         numNodes=2,
         gpusPerNode=1,
-        metaStore={
-            "mode": "External",
-            "external": {"address": server.addr, "passwordSecretRef": {"name": "ms"}},
-        },
+        metaStore=external_metastore(server),
         weightSync={"ipcPreflight": {"mode": mode}},
     )
     manifest["metadata"] = {"name": name, "namespace": namespace}
@@ -63,17 +61,9 @@ def test_ipc_ready_in_status_and_fail_mode_fails_the_job(
     cluster: Any,
     namespace: str,
     operator_process: OperatorProcess,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
-    cluster.kubectl(
-        "create",
-        "secret",
-        "generic",
-        "ms",
-        "-n",
-        namespace,
-        f"--from-literal=password={redis_server.password}",
-    )
+    metastore_secret(cluster, namespace, redis_server)
     start_job(cluster, namespace, "pf-wait", redis_server, "Wait")
     start_job(cluster, namespace, "pf-fail", redis_server, "Fail")
     client = redis_server.client()
@@ -93,15 +83,7 @@ def test_ipc_ready_in_status_and_fail_mode_fails_the_job(
         "IPCReady=False/ShmNotShared",
     )
     preflight(client, namespace, "pf-wait", "GPU-b", "ok", ev.PREFLIGHT_PASSED)
-    st = wait_for(
-        lambda: (
-            (s := status(cluster, namespace, "pf-wait"))
-            and condition(s, "IPCReady").get("status") == "True"
-            and s
-        ),
-        30,
-        "IPCReady=True",
-    )
+    st = wait_condition(cluster, namespace, "IPCReady", "True", name="pf-wait")
     assert condition(st, "IPCReady")["reason"] == "PreflightPassed"
     assert st.get("phase") != "Failed"
 

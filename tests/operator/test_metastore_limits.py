@@ -14,10 +14,11 @@ import pytest
 import redis
 import yaml
 
+from colocate_devcluster.localredis import redis_binary
+from colocate_devcluster.processes import free_port
 from colocate_operator import metastore
 from colocate_operator.constants import REDIS_IMAGE
 from tests.operator import factories
-from tests.runtime.redis_fixture import free_port, redis_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"

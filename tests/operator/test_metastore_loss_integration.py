@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import random
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -26,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
+from colocate_devcluster.localredis import RedisServer, redis_binary
+from colocate_devcluster.processes import free_port
 from demo.run import INIT_LOADER, LOADER, container_env, spawn
 from tests.kube import ChartIdentity, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.test_integration import get, job_manifest, job_status, pods, wait_phase
-from tests.runtime.redis_fixture import free_port, redis_binary
 
 pytestmark = pytest.mark.integration
 
@@ -41,46 +40,6 @@ DNS_STANDIN = Path(__file__).resolve().parent / "dns_standin"
 REDIS_PORT = 6379  # the operator dials the Managed Service on Redis's port
 STEPS = 3
 STEP_SECONDS = 8.0  # the trainer's pace: the Redis restart lands between two steps, never inside one
-
-
-class RedisPodStandIn:
-    """redis-server on <ip>:6379 with the job's password, empty at every start like a rescheduled pod."""
-
-    def __init__(self, ip: str, password: str, workdir: Path) -> None:
-        binary = redis_binary()
-        if binary is None:
-            pytest.skip("redis-server not found (install Debian's redis-server or set COLOCATE_REDIS_SERVER)")
-        self.binary, self.ip, self.password, self.workdir = binary, ip, password, workdir
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host=self.ip, port=REDIS_PORT, password=self.password, socket_timeout=5)
-
-    def start(self) -> None:
-        with open(self.workdir / "redis.log", "ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    *(self.binary, "--bind", self.ip, "--port", str(REDIS_PORT)),
-                    *("--requirepass", self.password, "--save", "", "--appendonly", "no"),
-                    *("--dir", str(self.workdir)),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        wait_for(lambda: self._pings(), 10, f"redis-server on {self.ip}:{REDIS_PORT}", interval=0.05)
-
-    def _pings(self) -> bool:
-        assert self.process is not None and self.process.poll() is None, "redis-server exited"
-        try:
-            return bool(self.client().ping())
-        except redis.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
 
 
 @pytest.fixture
@@ -137,9 +96,13 @@ def test_managed_redis_pod_deleted_mid_run_the_next_steps_succeed(
 
     secret_name = job_status(cluster, namespace)["metaStore"]["secretName"]
     secret = get(cluster, namespace, "secret", secret_name)
-    redis_server = RedisPodStandIn(
-        service_ip, base64.b64decode(secret["data"]["password"]).decode(), tmp_path
-    )
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("redis-server not found (install Debian's redis-server or set COLOCATE_REDIS_SERVER)")
+    # The Redis pod's stand-in: on the Service IP and Redis's port, with the job's password; empty at every
+    # start, like a rescheduled pod.
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    redis_server = RedisServer(tmp_path, binary, host=service_ip, port=REDIS_PORT, password=password)
     redis_server.start()
     stack.callback(redis_server.stop)
 

@@ -12,6 +12,7 @@ import pytest
 
 from colocate_operator import kube
 from colocate_operator.config import OperatorConfig
+from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
 from colocate_operator.reconciler import Reconciler
 from tests.operator import factories
@@ -28,6 +29,7 @@ class FakeKube(kube.Kube):
         self.metadata_only: list[str] = []
         self.fail_create: dict[str, int] = {}  # kind plural -> HTTP status
         self.conflict_next_status_write = False
+        self.deleted: list[dict[str, Any]] = []  # DELETED events the watch has not delivered yet
         self._counter = itertools.count(1)
 
     def _key(self, kind: kube.Kind, namespace: str | None, name: str) -> tuple[str, str | None, str]:
@@ -49,16 +51,17 @@ class FakeKube(kube.Kube):
             return None
         return {"metadata": copy.deepcopy(body["metadata"])} if metadata_only else copy.deepcopy(body)
 
-    def list(self, kind, namespace, label_selector=None):
+    def list_at(self, kind, namespace, label_selector=None):
         self.calls.append(("list", kind.plural, label_selector or ""))
         wanted = dict(part.split("=") for part in label_selector.split(",")) if label_selector else {}
-        return [
+        items = [
             copy.deepcopy(b)
             for (plural, ns, _), b in self.objects.items()
             if plural == kind.plural
             and ns == namespace
             and all(b["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
         ]
+        return items, str(next(self._counter))
 
     def create(self, kind, namespace, body):
         self.calls.append(("create", kind.plural, body["metadata"].get("name", "")))
@@ -69,11 +72,16 @@ class FakeKube(kube.Kube):
             body["metadata"]["name"] = f"event-{next(self._counter)}"
         if self._key(kind, namespace, body["metadata"]["name"]) in self.objects:
             raise kube.KubeError(409, "AlreadyExists", "exists")
-        return self.put(kind, body)
+        return self.put(kind, body)["metadata"]["resourceVersion"]
 
     def delete(self, kind, namespace, name, *, uid=None):
         self.calls.append(("delete", kind.plural, name))
-        return self.objects.pop(self._key(kind, namespace, name), None) is not None
+        gone = self.objects.pop(self._key(kind, namespace, name), None)
+        if gone is None:
+            return None
+        gone["metadata"]["resourceVersion"] = str(next(self._counter))
+        self.deleted.append(gone)
+        return gone["metadata"]["resourceVersion"]
 
     def patch(self, kind, namespace, name, patch, *, subresource=None):
         self.calls.append(("patch", f"{kind.plural}/{subresource}", name))
@@ -89,7 +97,7 @@ class FakeKube(kube.Kube):
             else:
                 status[key] = value
         body["metadata"]["resourceVersion"] = str(next(self._counter))
-        return copy.deepcopy(body)
+        return body["metadata"]["resourceVersion"]
 
     # Test helpers.
     def job(self) -> dict[str, Any]:
@@ -98,16 +106,34 @@ class FakeKube(kube.Kube):
     def pods(self) -> list[dict[str, Any]]:
         return [b for (plural, _, _), b in self.objects.items() if plural == "pods"]
 
+    def touch(self, body: dict[str, Any]) -> None:
+        """A change by someone else (kubelet, scheduler): a new resourceVersion, as the API server gives."""
+        body["metadata"]["resourceVersion"] = str(next(self._counter))
+
     def run_pods(self) -> None:
         """What the scheduler, the claim controller and kwok do, in one step."""
         for pod in self.pods():
             pod["spec"]["nodeName"] = f"gpu-node-{pod['metadata']['labels']['colocate.dev/replica-index']}"
             pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+            self.touch(pod)
         deployment = self.objects[("deployments", "ns", "demo-metastore")]
         deployment["status"] = {"readyReplicas": 1}
 
     def event_reasons(self) -> list[str]:
         return [b["reason"] for (plural, _, _), b in self.objects.items() if plural == "events"]
+
+    def deliver(self, indexes: Indexes) -> None:
+        """What kopf's index and event handlers do once the watch has caught up with every change."""
+        indexes.ready = True
+        for (plural, _, _), body in self.objects.items():
+            if plural == "colocatejobs":
+                indexes.saw_job(copy.deepcopy(body))
+            elif plural == "pods":
+                indexes.saw_pod(copy.deepcopy(body))
+        for body in self.deleted:
+            if "labels" in body["metadata"]:
+                indexes.pod_gone(body)
+        self.deleted.clear()
 
 
 @pytest.fixture
@@ -336,4 +362,96 @@ def test_a_pod_exit_without_the_final_record_restarts_once_the_stream_is_read(
     assert api.job()["status"]["restarts"] == 0
     progress.caught_up_at = time.time() + 1
     reconciler._pass("ns", "demo")
+    assert api.job()["status"]["restarts"] == 1
+
+
+# Watch-fed indexes ---------------------------------------------------------------------------------------
+
+
+def job_and_pod_reads(api: FakeKube) -> list[tuple[str, str]]:
+    return [c[:2] for c in api.calls if c[:2] in (("get", "colocatejobs"), ("list", "pods"))]
+
+
+@pytest.fixture
+def index_clock(reconciler: Reconciler) -> list[float]:
+    now = [0.0]
+    reconciler.indexes = Indexes(max_age=120, clock=lambda: now[0])
+    return now
+
+
+def test_event_driven_passes_read_the_job_and_its_pods_from_the_watch(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    api.deliver(reconciler.indexes)
+    reconciler.reconcile("ns", "demo")
+    api.deliver(reconciler.indexes)  # the watch shows the status written and the pods created
+    api.run_pods()
+    api.deliver(reconciler.indexes)
+    reconciler.reconcile("ns", "demo")
+    assert api.job()["status"]["phase"] == "Running"
+    assert job_and_pod_reads(api) == []
+
+
+def test_a_view_older_than_the_passs_own_writes_is_read_fresh(api: FakeKube, reconciler: Reconciler) -> None:
+    api.deliver(reconciler.indexes)
+    reconciler.reconcile("ns", "demo")  # writes status and creates the pods; the watch has shown neither
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert job_and_pod_reads(api) == [("get", "colocatejobs"), ("list", "pods")]
+    assert not [c for c in api.calls if c[0] == "create" and c[1] != "events"], "nothing created twice"
+    wrote = ("patch", "colocatejobs/status", "demo") in api.calls
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")  # what was read fresh replaced the older view
+    assert job_and_pod_reads(api) == ([("get", "colocatejobs")] if wrote else []), "only what it wrote since"
+
+
+def test_pods_deleted_for_a_restart_are_not_taken_from_an_older_view(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    pod = api.pods()[1]
+    pod["status"]["phase"] = "Failed"
+    api.touch(pod)
+    api.deliver(reconciler.indexes)
+    reconciler.reconcile("ns", "demo")  # persists the restart, deletes both pods
+    assert api.job()["status"]["restarts"] == 1 and api.pods() == []
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")  # the watch still shows both pods, older than the deletions
+    assert ("list", "pods") in job_and_pod_reads(api)
+    assert not [c for c in api.calls if c[0] == "delete"]
+    assert reconciler.indexes.pods("ns", "demo", "uid-demo") == (), "the fresh list replaced the view"
+
+
+def test_a_deletion_the_watch_missed_is_found_by_the_resync_read(
+    api: FakeKube, reconciler: Reconciler, index_clock: list[float]
+) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    del api.objects[("pods", "ns", "demo-1")]  # while kopf's watch was down: no DELETED event
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert job_and_pod_reads(api) == [] and api.job()["status"]["restarts"] == 0
+    index_clock[0] += 121
+    reconciler.reconcile("ns", "demo")
+    assert job_and_pod_reads(api) == [("get", "colocatejobs"), ("list", "pods")]
+    assert api.job()["status"]["restarts"] == 1, "the lost pod counts as lost"
+
+
+def test_a_status_conflict_is_decided_again_from_a_fresh_read(api: FakeKube, reconciler: Reconciler) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    pod = api.pods()[0]
+    pod["status"]["phase"] = "Failed"
+    api.touch(pod)
+    api.deliver(reconciler.indexes)
+    api.touch(api.job())  # someone else (the step follower) wrote status; the watch has not shown it yet
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert not [c for c in api.calls if c[0] == "delete"]
+    reconciler.reconcile("ns", "demo")
+    assert ("get", "colocatejobs") in job_and_pod_reads(api)
     assert api.job()["status"]["restarts"] == 1

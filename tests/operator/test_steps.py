@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from colocate_operator import steps
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
+from colocate_operator.status import CONDITION_OWNERS, STEP_KEYS, Owner, step_patch
 from colocate_operator.steps import StepTracker, step_conditions
-from colocate_runtime.colocated import events as ev
-from colocate_runtime.colocated.events import StepEvent
+from colocate_runtime.contract import events as ev
+from colocate_runtime.contract.events import StepEvent
+
+
+def weight_sync(tracker: StepTracker) -> dict[str, Any]:
+    """status.weightSync as the follower writes it."""
+    return written(tracker)["weightSync"]
+
+
+def recent_steps(tracker: StepTracker) -> list[dict[str, Any]]:
+    return written(tracker)["recentSteps"]
+
+
+def written(tracker: StepTracker) -> dict[str, Any]:
+    return step_patch(tracker.weight_sync_status(), tracker.recent_steps_status(), [])
 
 
 def finished(
@@ -40,26 +56,26 @@ def test_step_completes_only_when_every_gpu_finished() -> None:
     assert tracker.last_completed_step is None
     assert tracker.observe(finished(1, "GPU-a")) is False  # a repeat from the same GPU counts once
     assert tracker.observe(finished(1, "GPU-b", seconds=0.05, nbytes=30, ts=1001.0)) is True
-    status = tracker.weight_sync_status()
+    status = weight_sync(tracker)
     assert status["lastCompletedStep"] == 1
     assert status["lastSyncSeconds"] == 0.05  # the slowest GPU bounds the step
     assert status["lastSyncBytes"] == 130
-    assert [r["step"] for r in tracker.recent_steps_status()] == [1]
-    assert tracker.recent_steps_status()[0]["completionTime"] == "1970-01-01T00:16:41Z"
+    assert [r["step"] for r in recent_steps(tracker)] == [1]
+    assert recent_steps(tracker)[0]["completionTime"] == "1970-01-01T00:16:41Z"
 
 
 def test_intermediate_phases_update_the_phase_without_a_write() -> None:
     tracker = StepTracker(expected_gpus=1)
     event = StepEvent(role="reader", gen=1, step=3, phase="copied")
     assert tracker.observe(event) is False
-    assert tracker.weight_sync_status() == {"currentPhase": "Copying"}
+    assert weight_sync(tracker) == {"currentPhase": "Copying"}
 
 
 def test_history_is_bounded_and_keeps_the_newest() -> None:
     tracker = StepTracker(expected_gpus=1, history_limit=3)
     for step in range(1, 8):
         assert tracker.observe(finished(step, "g")) is True
-    assert [r["step"] for r in tracker.recent_steps_status()] == [5, 6, 7]
+    assert [r["step"] for r in recent_steps(tracker)] == [5, 6, 7]
 
 
 def test_old_or_repeated_steps_do_not_move_status_back() -> None:
@@ -101,7 +117,7 @@ def test_failure_is_recorded_once_per_step_with_its_reason() -> None:
     )
     assert tracker.observe(failed) is True
     assert tracker.observe(failed) is False
-    (record,) = tracker.recent_steps_status()
+    (record,) = recent_steps(tracker)
     assert record["result"] == "Failed" and "timeout on GPU GPU-x: no ACK" in record["message"]
     assert tracker.last_failure is not None
     tracker.observe(finished(3, "a"))
@@ -115,7 +131,7 @@ def test_final_record_is_what_marks_success() -> None:
     assert tracker.final_result is None
     assert tracker.observe(StepEvent(role="trainer", gen=1, step=1, phase="final", result="ok", final=True))
     assert tracker.final_result == "Succeeded"
-    assert tracker.weight_sync_status()["finalStepRecorded"] is True
+    assert weight_sync(tracker)["finalStepRecorded"] is True
 
 
 def test_stalled_after_the_progress_deadline() -> None:
@@ -156,7 +172,7 @@ def test_ipc_ready_needs_every_gpu_to_pass_in_its_newest_incarnation() -> None:
     assert ipc(tracker) is None  # no preflight events (mode Off): no condition at all
     assert tracker.observe(preflight("GPU-a", "")) is True
     assert ipc(tracker) == (False, Reason.PREFLIGHT_PENDING, "0/2 GPUs passed the IPC preflight")
-    assert tracker.weight_sync_status()["currentPhase"] == "Preflight"
+    assert weight_sync(tracker)["currentPhase"] == "Preflight"
     assert tracker.observe(preflight("GPU-a", "ok", ev.PREFLIGHT_PASSED)) is False  # still pending: no write
     assert ipc(tracker) == (False, Reason.PREFLIGHT_PENDING, "1/2 GPUs passed the IPC preflight")
     assert tracker.observe(preflight("GPU-b", "ok", ev.PREFLIGHT_PASSED)) is True
@@ -211,24 +227,47 @@ def test_operator_reasons_are_the_runtime_reasons() -> None:
     )
 
 
-def test_a_follower_blocks_until_the_next_decision_it_must_make_without_new_entries() -> None:
-    from colocate_operator.stepwatch import HEARTBEAT_SECONDS, READ_BLOCK_MAX_SECONDS, _Writes, block_seconds
+def test_a_follower_waits_until_the_next_decision_it_must_make_without_new_entries() -> None:
+    from colocate_operator.stepwatch import (
+        DECISION_MAX_WAIT_SECONDS,
+        HEARTBEAT_SECONDS,
+        WRITE_MIN_INTERVAL_SECONDS,
+        WRITE_SETTLE_SECONDS,
+        _Writes,
+        decision_wait,
+    )
 
     tracker = StepTracker(expected_gpus=1)
     tracker.last_progress_ts = 1000.0
     writes = _Writes(written_phase=tracker.current_phase)
-    # Nothing due before the cap: a long block, one Redis round trip per job per cap at most.
-    assert block_seconds(tracker, writes, 600, 1000.0) == READ_BLOCK_MAX_SECONDS
+    # Nothing due before the cap: a long wait.
+    assert decision_wait(tracker, writes, False, 600, 1000.0) == DECISION_MAX_WAIT_SECONDS
     # The progress deadline comes first: wake then to write the stall.
-    assert block_seconds(tracker, writes, 3, 1001.0) == 2.0
+    assert decision_wait(tracker, writes, False, 3, 1001.0) == 2.0
     writes.written_stalled = True
-    assert block_seconds(tracker, writes, 3, 1005.0) == READ_BLOCK_MAX_SECONDS, "already written: no spin"
+    assert decision_wait(tracker, writes, False, 3, 1005.0) == DECISION_MAX_WAIT_SECONDS, "no spin"
     # A phase change not yet in status waits for the heartbeat.
     writes.written_phase, writes.last_write = "something else", 996.0
-    assert block_seconds(tracker, writes, 3, 1005.0) == 996.0 + HEARTBEAT_SECONDS - 1005.0
+    assert decision_wait(tracker, writes, False, 3, 1005.0) == 996.0 + HEARTBEAT_SECONDS - 1005.0
+    # A step boundary waits for the rest of its burst, and for the minimum interval between writes.
+    writes.written_phase, writes.dirty_since = tracker.current_phase, 1005.0
+    assert decision_wait(tracker, writes, True, 3, 1005.0) == WRITE_SETTLE_SECONDS
+    writes.last_write = 1004.5
+    assert decision_wait(tracker, writes, True, 3, 1005.0) == 1004.5 + WRITE_MIN_INTERVAL_SECONDS - 1005.0
     # A refused write is retried when its backoff ends, never in a tight loop.
-    writes.dirty, writes.retry_at = True, 1004.0
-    assert block_seconds(tracker, writes, 3, 1005.0) > 0
+    writes.retry_at = 1009.0
+    assert decision_wait(tracker, writes, True, 3, 1005.0) == 4.0
+
+
+def test_the_follower_writes_only_the_keys_and_conditions_it_owns() -> None:
+    tracker = StepTracker(expected_gpus=1)
+    tracker.observe(StepEvent(role="trainer", gen=1, step=0, phase="preflight", result="ok"))
+    tracker.observe(finished(1, "g"))
+    tracker.observe(StepEvent(role="trainer", gen=1, step=1, phase="final", result="ok", final=True))
+    assert set(written(tracker)) == set(STEP_KEYS)
+    for stalled in (False, True):
+        types = {c.type for c in step_conditions(tracker, stalled, 60)}
+        assert types and all(CONDITION_OWNERS[t] == Owner.STEPS for t in types)
 
 
 def test_state_stays_bounded_under_a_flood_and_the_next_real_step_completes() -> None:
@@ -258,6 +297,6 @@ def test_a_long_failure_message_is_cut_to_what_status_admits() -> None:
         role="trainer", gen=1, step=1, phase="failed", result="error", gpu="G" * 128, error="e" * 5000
     )
     tracker.observe(event)
-    record = tracker.recent_steps_status()[-1]
+    record = recent_steps(tracker)[-1]
     assert len(record["message"]) <= steps.MESSAGE_MAX_CHARS
     assert all(len(c.message) <= 4096 for c in step_conditions(tracker, False, 60))

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import redis
 
-from colocate_runtime.colocated.events import StepEvent, stream_key, xadd
-from tests.kube import get_json, wait_for
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.contract.events import StepEvent, stream_key, xadd
+from tests.kube import external_metastore, get_json, metastore_secret, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.factories import body
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
+from tests.operator.test_integration import wait_condition
 
 pytestmark = pytest.mark.integration
 
@@ -23,18 +24,13 @@ GPUS = ("GPU-a", "GPU-b")
 
 
 def start_job(cluster: Any, namespace: str, server: RedisServer, **weight_sync: Any) -> None:
-    cluster.kubectl(
-        "create", "secret", "generic", "ms", "-n", namespace, f"--from-literal=password={server.password}"
-    )
+    metastore_secret(cluster, namespace, server)
     manifest = body(
         "steps",
         namespace,
         numNodes=2,
         gpusPerNode=1,
-        metaStore={
-            "mode": "External",
-            "external": {"address": server.addr, "passwordSecretRef": {"name": "ms"}},
-        },
+        metaStore=external_metastore(server),
         weightSync={"historyLimit": 3, **weight_sync},
     )
     manifest["metadata"] = {"name": "steps", "namespace": namespace}
@@ -77,7 +73,7 @@ def test_steps_failures_and_the_final_record_reach_status(
     cluster: Any,
     namespace: str,
     operator_process: OperatorProcess,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     start_job(cluster, namespace, redis_server)
     client = redis_server.client()
@@ -113,15 +109,7 @@ def test_steps_failures_and_the_final_record_reach_status(
     assert step_writes(operator_process) <= 5 + 2
 
     emit(client, namespace, 6, GPUS[1], phase="failed", result="timeout", error="no ACK within 120 s")
-    st = wait_for(
-        lambda: (
-            (s := status(cluster, namespace))
-            and condition(s, "WeightSyncHealthy").get("status") == "False"
-            and s
-        ),
-        30,
-        "WeightSyncHealthy=False",
-    )
+    st = wait_condition(cluster, namespace, "WeightSyncHealthy", "False", name="steps")
     healthy = condition(st, "WeightSyncHealthy")
     assert (
         healthy["reason"] == "StepFailed" and "GPU-b" in healthy["message"] and "no ACK" in healthy["message"]
@@ -153,7 +141,7 @@ def test_no_step_within_the_progress_deadline_is_a_stall(
     cluster: Any,
     namespace: str,
     operator_process: OperatorProcess,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     start_job(cluster, namespace, redis_server, progressDeadlineSeconds=3)
     client = redis_server.client()

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from colocate_devcluster.localredis import RedisServer
 from colocate_operator import kube
 from colocate_operator.config import OperatorConfig
 from colocate_operator.steps import FAILED_STEPS_MAX, PENDING_STEPS_MAX, StepTracker, gpu_limit
 from colocate_operator.stepwatch import follow
-from colocate_runtime.colocated.events import STREAM_MAXLEN, stream_key
+from colocate_runtime.contract.events import STREAM_MAXLEN, stream_key
 from tests.kube import get_json
 from tests.operator.test_stepwatch_integration import GPUS, emit, start_job, status
-from tests.runtime.redis_fixture import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def test_a_flood_of_hostile_entries_leaves_the_follower_bounded_and_following(
     cluster: Any,
     namespace: str,
     crd: Any,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     start_job(cluster, namespace, redis_server)
     client = redis_server.client()
@@ -182,7 +182,7 @@ def test_a_new_follower_trims_a_huge_stream_before_replaying_it(
     cluster: Any,
     namespace: str,
     crd: Any,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     """Replay from 0-0 (an operator restart) of a stream a writer grew past MAXLEN: the follower trims it to
     about STREAM_MAXLEN first, so the replay is bounded, and the newest real step still reaches status."""
@@ -224,7 +224,7 @@ def test_the_follower_of_a_job_created_again_under_its_name_leaves_the_new_job_a
     cluster: Any,
     namespace: str,
     crd: Any,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     """L8: the job is deleted and created again under the same name while the operator misses both watch
     events. The old follower (old spec, old tracker) must not write into the new job's status: it stops."""

@@ -37,6 +37,7 @@ operator under exactly these rules, so a missing verb fails a test):
   ownerReferences.
 - deployments (the Redis): get (readiness), list/watch (kopf), create.
 - resourceclaims: get (allocation status). events: create (the operator's and kopf's).
+- scheduling.k8s.io workloads, podgroups (native gang scheduling, where served): get (metadata) and create.
 The step follower reads the password Secret of the jobs' meta-stores: that is the `get` on secrets. */}}
 {{- define "colocate-operator.rules" -}}
 - apiGroups: [colocate.dev]
@@ -72,4 +73,17 @@ The step follower reads the password Secret of the jobs' meta-stores: that is th
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaims]
   verbs: [get]
+# Native gang scheduling, where the cluster serves it (Kubernetes 1.37, GenericWorkload): the job's Workload
+# and its PodGroup, read (metadata only) and created; garbage collection deletes them.
+- apiGroups: [scheduling.k8s.io]
+  resources: [workloads, podgroups]
+  verbs: [get, create]
+# A job with a Kueue queue is a Workload of its own: created, followed, finished or handed back after an
+# eviction (workloads/status).
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 {{- end -}}

@@ -1,0 +1,208 @@
+"""The ColocateJob status, as a model beside the spec: every key, its shape, and which writer owns it.
+
+Two writers share a job's status. The reconciler owns its lifecycle (phase, restarts, timestamps, replica
+counts); the step follower (stepwatch.py) owns what the step stream says (weightSync, recentSteps). The list
+of conditions is shared, each condition type owned by one writer (CONDITION_OWNERS): both writers merge only
+their own types into the list they read, and write it guarded by the resourceVersion they read it at.
+
+Each key is marked with its owner(s) here, and the owned-keys lists, the reconciler's merge patch and the
+step follower's patch all derive from those marks: a key no writer owns is never written, and a key cannot
+be written by the wrong one. The models mirror the CRD's status schema (a unit test compares the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from colocate_operator.constants import Cond
+
+
+class Owner(StrEnum):
+    RECONCILER = "reconciler"
+    STEPS = "steps"  # the step follower
+
+
+CONDITION_OWNERS: dict[str, Owner] = {
+    **dict.fromkeys(Cond.RECONCILED, Owner.RECONCILER),
+    Cond.WEIGHT_SYNC_HEALTHY: Owner.STEPS,
+    Cond.PROGRESSING: Owner.STEPS,
+    Cond.IPC_READY: Owner.STEPS,
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class ReplicaStatus(_Model):
+    desired: int = 0
+    created: int = 0
+    scheduled: int = 0
+    running: int = 0
+    ready: int = 0
+    failed: int = 0
+
+
+class MetaStoreStatus(_Model):
+    mode: str
+    address: str
+    secret_name: str
+
+
+class ClaimStatus(_Model):
+    pod: str
+    claim: str
+    allocated: bool
+    devices: tuple[str, ...] = ()
+
+
+class ConditionStatus(_Model):
+    type: str
+    status: str
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class SuspensionStatus(_Model):
+    request_time: str | None = None
+    checkpoint_requested: bool | None = None
+    outcome: str | None = None
+    after_step: int | None = None
+    checkpoint_step: int | None = None
+
+
+class WeightSyncStatus(_Model):
+    current_phase: str = "Pending"
+    last_completed_step: int | None = None
+    weight_version: str | None = None
+    last_sync_seconds: float | None = None
+    last_sync_bytes: int | None = None
+    final_step_recorded: bool | None = None
+
+
+class StepRecordStatus(_Model):
+    step: int
+    weight_version: str = ""
+    result: str
+    sync_seconds: float
+    bytes: int
+    completion_time: str
+    message: str | None = None
+
+
+R, S = Owner.RECONCILER, Owner.STEPS
+
+
+class JobStatus(_Model):
+    phase: Annotated[str | None, R] = None
+    observed_generation: Annotated[int | None, R] = None
+    restarts: Annotated[int, R] = 0  # the group incarnation; pods carry it as a label
+    engine_restarts: Annotated[int | None, R] = None  # SGLang restarted in place, over the job's life
+    engine_restarts_counted: Annotated[int | None, R] = None  # of those, the current group's (decide.py)
+    group_created: Annotated[bool, R] = False  # whether a missing pod is a failure or not created yet
+    ready: Annotated[str | None, R] = None
+    start_time: Annotated[str | None, R] = None
+    last_restart_time: Annotated[str | None, R] = None
+    completion_time: Annotated[str | None, R] = None
+    suspension: Annotated[SuspensionStatus | None, R] = None
+    replicas: Annotated[ReplicaStatus | None, R] = None
+    meta_store: Annotated[MetaStoreStatus | None, R] = None
+    resource_claims: Annotated[tuple[ClaimStatus, ...] | None, R] = None
+    conditions: Annotated[tuple[ConditionStatus, ...], R, S] = ()  # each type has one owner
+    weight_sync: Annotated[WeightSyncStatus | None, S] = None
+    recent_steps: Annotated[tuple[StepRecordStatus, ...] | None, S] = None
+
+    @classmethod
+    def of(cls, status: Mapping[str, Any] | None) -> JobStatus:
+        return cls.model_validate(status or {})
+
+
+def _alias(field: str) -> str:
+    return JobStatus.model_fields[field].alias or field
+
+
+def owners(field: str) -> tuple[Owner, ...]:
+    return tuple(m for m in JobStatus.model_fields[field].metadata if isinstance(m, Owner))
+
+
+def owned_keys(owner: Owner) -> tuple[str, ...]:
+    """The status keys (as written, camelCase) that `owner` writes."""
+    return tuple(_alias(name) for name in JobStatus.model_fields if owner in owners(name))
+
+
+RECONCILER_KEYS = owned_keys(Owner.RECONCILER)
+STEP_KEYS = owned_keys(Owner.STEPS)
+_STEP_FIELDS = tuple(name for name in JobStatus.model_fields if Owner.STEPS in owners(name))
+
+
+def status_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch turning `current` into `desired` for the reconciler's keys; {} if nothing changed.
+    A key of `desired` the reconciler does not own is an error: it would never be written."""
+    foreign = set(desired) - set(RECONCILER_KEYS)
+    if foreign:
+        raise ValueError(f"status keys {sorted(foreign)} are not the reconciler's (status.py)")
+    patch: dict[str, Any] = {}
+    for key in RECONCILER_KEYS:
+        if key in desired and current.get(key) != desired[key]:
+            patch[key] = desired[key]
+        elif key not in desired and current.get(key) is not None:
+            patch[key] = None  # merge-patch null removes it
+    return patch
+
+
+def step_patch(
+    weight_sync: WeightSyncStatus,
+    recent_steps: tuple[StepRecordStatus, ...],
+    conditions: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The step follower's part of status, every key it owns (`conditions` already merged)."""
+    part = JobStatus(weight_sync=weight_sync, recent_steps=recent_steps).model_dump(
+        mode="json", by_alias=True, exclude_none=True, include=set(_STEP_FIELDS) - {"conditions"}
+    )
+    return {**part, _alias("conditions"): conditions}
+
+
+@dataclass(frozen=True)
+class StatusView:
+    """Typed reads of a status as the API server holds it, for the modules that ask one thing of it (an event
+    filter, a pass's catch-up barrier) without parsing all of it: no module but this one spells a key."""
+
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> StatusView:
+        return cls(body.get("status") or {})
+
+    @property
+    def phase(self) -> str | None:
+        return self.raw.get(_alias("phase"))
+
+    @property
+    def restarts(self) -> int:
+        return int(self.raw.get(_alias("restarts")) or 0)
+
+    @property
+    def group_created(self) -> bool:
+        return bool(self.raw.get(_alias("group_created")))
+
+    @property
+    def final_step_recorded(self) -> bool:
+        """Whether the step follower wrote the trainer's final record."""
+        weight_sync = self.raw.get(_alias("weight_sync")) or {}
+        return bool(weight_sync.get(WeightSyncStatus.model_fields["final_step_recorded"].alias))
+
+    def condition(self, type_: str) -> Mapping[str, Any] | None:
+        return next((c for c in self.raw.get(_alias("conditions")) or () if c.get("type") == type_), None)
+
+
+def final_step_recorded(status: Mapping[str, Any]) -> bool:
+    """Whether the step follower wrote the trainer's final record (the reconciler's decisions read it)."""
+    return StatusView(status).final_step_recorded
