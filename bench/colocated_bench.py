@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,8 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import runtime_path  # noqa: F401  (maps colocate_runtime and colocate_devcluster onto this checkout)
+
+from colocate_devcluster.localredis import RedisServer, redis_binary
+
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("grouped", "per_tensor", "blanket_gc", "in_place")
+MODES = ("grouped", "per_tensor", "blanket_gc", "in_place", "in_place_kept")
 HIDDEN = 4096
 
 
@@ -37,47 +39,10 @@ def shapes(size_bytes: int, tensors: int) -> list[tuple[int, int]]:
     return [(rows, HIDDEN)] * tensors
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, int, str]:
-    binary = os.environ.get("COLOCATE_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
+def start_redis(workdir: Path) -> RedisServer:
+    if redis_binary() is None:
         sys.exit("redis-server not found: install it or set COLOCATE_REDIS_SERVER")
-    port, password = free_port(), secrets.token_hex(16)
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--requirepass",
-            password,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port, password=password)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, port, password
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    sys.exit("redis-server did not start")
+    return RedisServer(workdir).start()
 
 
 def env_for(args: argparse.Namespace, port: int, password: str, mode: str, shm: Path) -> dict[str, str]:
@@ -138,6 +103,7 @@ def run_reader(args: argparse.Namespace) -> None:
     import torch
 
     from colocate_runtime.colocated.config import ColocateConfig
+    from colocate_runtime.colocated.reader import ReaderBenchSwitches
     from colocate_runtime.colocated.wiring import new_reader
 
     cfg = ColocateConfig.from_env(os.environ)
@@ -152,10 +118,12 @@ def run_reader(args: argparse.Namespace) -> None:
     reader = new_reader(cfg, targets, device=0 if args.device == "cuda" else None)
     reader.settings = dataclasses.replace(
         reader.settings,
-        blanket_gc=args.mode == "blanket_gc",
         verify_checksums=False,
-        copy_kernel=args.reader_copy == "kernel",
-        overlap_open=not args.serial_open,
+        bench=ReaderBenchSwitches(
+            blanket_gc=args.mode == "blanket_gc",
+            copy_kernel=args.reader_copy == "kernel",
+            overlap_open=not args.serial_open,
+        ),
     )
     floor = None
     if args.device == "cuda":
@@ -417,7 +385,7 @@ def run_mode(
         for i, s in enumerate(shapes(int(size_gb * 1e9), args.tensors))
     }
     layout = None
-    if mode == "in_place":  # the weights as views of one buffer (Megatron's DDP layout), exported as it is
+    if mode.startswith("in_place"):  # the weights as views of one buffer (Megatron's DDP layout), as they are
         flat = torch.cat([t.view(-1) for t in weights.values()])
         views, at = {}, 0
         for name, t in weights.items():
@@ -430,7 +398,8 @@ def run_mode(
     try:
         for step in range(1, args.steps + 1):
             if layout is not None:
-                pending = writer.publish_in_place(step, layout)
+                # in_place_kept: the reader keeps the buffer mapped across steps (colocated/kept.py)
+                pending = writer.publish_in_place(step, layout, keep_mapped=mode == "in_place_kept")
             else:
                 pending = writer.publish(step, weights)
             t0 = time.perf_counter()
@@ -563,15 +532,15 @@ def main() -> None:
         torch.cuda.set_device(0)
         print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="colocated-bench-"))
-    redis_proc, port, password = start_redis(workdir)
+    server = start_redis(workdir)
     results = []
     try:
         for size in args.size_gb:
             for mode in args.modes:
-                results.append(run_mode(args, size, mode, port, password, workdir / "shm"))
+                results.append(run_mode(args, size, mode, server.port, server.password, workdir / "shm"))
                 print(f"# done: {size} GB {mode}", flush=True)
     finally:
-        redis_proc.kill()
+        server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print(table(results))
     print(

@@ -8,6 +8,8 @@
 #               device run, carry [".device"], command "bash bench/colocated_device.sh bench --size-gb 8 16"
 #               device run, carry [".device"], command "bash bench/colocated_device.sh step --preset qwen3-8b"
 #               (a whole step, trainer layout to SGLang's fused parameters: bench/step_bench.py)
+#               device run, carry [".device"], command "bash bench/colocated_device.sh hops --gaps-ms 0 100"
+#               (the protocol's meta-store hops alone, no GPU work: bench/hop_bench.py)
 #               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py; "copy --size-gb 8"
 #                compares ways to do the copy phase alone, against one flat copy)
 set -euo pipefail
@@ -26,6 +28,10 @@ prepare() {
     local python=${PYTHON:-.venv/bin/python}
     "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$CARRY/wheels" \
         "redis==$("$python" -c 'import redis; print(redis.__version__)')"
+    # hiredis parses Redis replies in C (a runtime dependency): about 0.4 ms of an 8 GB step.
+    "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$CARRY/wheels" \
+        "hiredis==$("$python" -c 'from importlib.metadata import version; print(version("hiredis"))')"
     du -sh "$CARRY"
 }
 
@@ -35,6 +41,7 @@ setup_device() {
         "$CARRY"/wheels/*.whl
     mkdir -p /tmp/shim
     ln -sfn "$REPO/runtime" /tmp/shim/colocate_runtime
+    ln -sfn "$REPO/devcluster" /tmp/shim/colocate_devcluster  # the local Redis launcher (tests, benches)
     printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$CARRY/redis/lib" "$CARRY/redis/redis-server" \
         > /tmp/redis-server
     chmod +x /tmp/redis-server "$CARRY/redis/redis-server"
@@ -46,16 +53,16 @@ setup_device() {
 }
 
 run_tests() {
-    # --noconftest: tests/conftest.py starts the local Kubernetes control plane, which these tests do not use.
+    # tests/conftest.py declares the redis_server fixture; its control plane starts only for tests that ask.
     python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
-        tests/runtime/test_colocated_release.py -m gpu -v --noconftest -p no:cacheprovider
+        tests/runtime/test_colocated_release.py -m gpu -v -p no:cacheprovider
 }
 
 run_all_gpu_tests() {
     # Every GPU test of the repository (colocated CUDA IPC, p2p over NCCL, the reshard exchange).
     NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
         tests/runtime/test_p2p_exec.py tests/runtime/test_colocated_release.py \
-        tests/runtime/test_colocated_exchange.py -m gpu -v --noconftest -p no:cacheprovider
+        tests/runtime/test_colocated_exchange.py -m gpu -v -p no:cacheprovider
 }
 
 run_bench() {
@@ -69,6 +76,7 @@ case "${1:-}" in
     bench) shift; setup_device; run_bench "$@" ;;
     copy) shift; setup_device; run_bench --role copy "$@" ;;
     step) shift; setup_device; python3 bench/step_bench.py "$@" ;;
+    hops) shift; setup_device; python3 -m bench.hop_bench "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|all [args]"; exit 2 ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]"; exit 2 ;;
 esac

@@ -43,7 +43,7 @@ import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime w
 from colocate_runtime.convert import (  # noqa: E402
     MegatronLayout,
     MegatronRank,
-    ModelSpec,
+    ModelDims,
     PipelineLayout,
     SGLangLayout,
     TrainerRankPlan,
@@ -51,6 +51,7 @@ from colocate_runtime.convert import (  # noqa: E402
     model_spec,
     trainer_plan,
 )
+from colocate_runtime.dtypes import torch_dtype  # noqa: E402
 from colocate_runtime.shards import Box  # noqa: E402
 
 NCCL_GBPS = 370.0
@@ -86,7 +87,7 @@ PRESETS = {
 }
 
 
-def trainer_layouts(spec: ModelSpec) -> list[tuple[str, MegatronLayout, MegatronRank]]:
+def trainer_layouts(spec: ModelDims) -> list[tuple[str, MegatronLayout, MegatronRank]]:
     n = spec.num_layers
     return [
         ("TP1 EP1 (whole model)", MegatronLayout(), MegatronRank()),
@@ -123,7 +124,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) 
 
 
 def megatron_tensors(plan: TrainerRankPlan, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    dtype = getattr(torch, plan.spec.dtype)
+    dtype = torch_dtype(plan.spec.dtype)
     chunks = []
     for chunk in plan.chunks:
         tensors = {}
@@ -147,7 +148,7 @@ def pack(pieces: list[tuple], bucket: torch.Tensor) -> None:
         offset += n
 
 
-def bench_trainer(spec: ModelSpec, device: torch.device, repeat: int, d2d_rate: float) -> list[list[str]]:
+def bench_trainer(spec: ModelDims, device: torch.device, repeat: int, d2d_rate: float) -> list[list[str]]:
     rows = []
     for label, layout, rank in trainer_layouts(spec):
         start = time.perf_counter()
@@ -162,7 +163,7 @@ def bench_trainer(spec: ModelSpec, device: torch.device, repeat: int, d2d_rate: 
         )
         convert_s = median_seconds(lambda plan=plan, chunks=chunks: plan.convert(chunks), device, repeat)
         bucket = torch.empty(
-            min(BUCKET_BYTES, piece_bytes) // 2, dtype=getattr(torch, spec.dtype), device=device
+            min(BUCKET_BYTES, piece_bytes) // 2, dtype=torch_dtype(spec.dtype), device=device
         )
         pack_s = median_seconds(
             lambda plan=plan, chunks=chunks, bucket=bucket: pack(plan.convert(chunks), bucket), device, repeat
@@ -197,9 +198,9 @@ def copy_rate(device: torch.device, repeat: int, nbytes: int) -> float:
     return nbytes / median_seconds(lambda: twin.copy_(flat), device, repeat)
 
 
-def bench_inference(spec: ModelSpec, device: torch.device, repeat: int) -> list[list[str]]:
+def bench_inference(spec: ModelDims, device: torch.device, repeat: int) -> list[list[str]]:
     rows = []
-    dtype = getattr(torch, spec.dtype)
+    dtype = torch_dtype(spec.dtype)
     for label, layout, tp_rank in inference_layouts():
         start = time.perf_counter()
         plan = inference_plan(spec, layout, tp_rank)
@@ -209,7 +210,7 @@ def bench_inference(spec: ModelSpec, device: torch.device, repeat: int) -> list[
             for name, shape in plan.param_shapes().items()
         }
         received = [
-            (s, torch.empty(s.box.lengths, dtype=getattr(torch, s.dtype), device=device).normal_())
+            (s, torch.empty(s.box.lengths, dtype=torch_dtype(s.dtype), device=device).normal_())
             for s in plan.shards()
         ]
         nbytes = sum(d.numel() * d.element_size() for _, d in received)
@@ -242,7 +243,7 @@ def bench_inference(spec: ModelSpec, device: torch.device, repeat: int) -> list[
     return rows
 
 
-def profile(spec: ModelSpec, device: torch.device) -> None:
+def profile(spec: ModelDims, device: torch.device) -> None:
     """Where the per-piece time goes (host side): one whole-model convert, one SGLang TP4 write_many."""
     plan = trainer_plan(spec, MegatronLayout(), MegatronRank())
     chunks = megatron_tensors(plan, device)
@@ -251,7 +252,7 @@ def profile(spec: ModelSpec, device: torch.device) -> None:
     pstats.Stats("/tmp/convert.prof").sort_stats("tottime").print_stats(8)
     del chunks
     target = inference_plan(spec, SGLangLayout(tp=4), 1)
-    dtype = getattr(torch, spec.dtype)
+    dtype = torch_dtype(spec.dtype)
     params = {
         name: torch.empty(shape, dtype=dtype, device=device) for name, shape in target.param_shapes().items()
     }

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import runtime_path  # noqa: E402, F401  (maps colocate_runtime onto ./runtime when not installed)
 
 from colocate_runtime.p2p.chunks import DIRECT_MIN_BYTES, plan_chunks, shard_shapes  # noqa: E402
-from colocate_runtime.p2p.config import ExecutorConfig  # noqa: E402
+from colocate_runtime.p2p.config import ExecutorBenchSwitches, ExecutorConfig  # noqa: E402
 from colocate_runtime.p2p.executor import P2PExchange  # noqa: E402
 from colocate_runtime.p2p.layout import Layout, ParamShards, split_box  # noqa: E402
 from colocate_runtime.p2p.plan import build_plan  # noqa: E402
@@ -108,18 +108,13 @@ def shard_tensors(
     layout: Layout, rank: int, device: torch.device, *, filled: bool
 ) -> dict[str, torch.Tensor]:
     out = {}
-    for p in layout.params:
-        box = p.box_of(rank)
-        if box is None:
-            continue
+    for s in layout.rank_shards(rank).shards:
         if filled:
-            full = fill(p.name, p.global_shape, device)
-            out[p.name] = full[
-                tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
-            ].clone()
+            full = fill(s.name, s.global_shape, device)
+            out[s.name] = full[s.box.slices()].clone()
             del full
         else:
-            out[p.name] = torch.empty(box.lengths, dtype=torch.bfloat16, device=device)
+            out[s.name] = torch.empty(s.box.lengths, dtype=torch.bfloat16, device=device)
     return out
 
 
@@ -273,7 +268,7 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, out: mp.Queue) 
         pipeline_depth=args.depth,
         timeout_s=300.0,
         direct_min_bytes=int(args.direct_min_mb * (1 << 20)),
-        one_batch_per_peer=not args.split_batches,
+        bench=ExecutorBenchSwitches(one_batch_per_peer=not args.split_batches),
     )
     timer = Timer(device, args.warmup, args.iters)
     rows = []

@@ -1,5 +1,6 @@
 """Benchmarks run from a plain checkout too (the GPU machine has no install): map `colocate_runtime` onto
-./runtime when the package is not installed. Imported for its side effect by the bench scripts."""
+./runtime and `colocate_devcluster` (its local Redis launcher) onto ./devcluster when they are not installed.
+Imported for its side effect by the bench scripts."""
 
 from __future__ import annotations
 
@@ -8,21 +9,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"colocate_runtime": "runtime", "colocate_devcluster": "devcluster"}
 
 
-def import_runtime() -> None:
-    try:
-        import colocate_runtime  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "colocate_runtime",
-            ROOT / "runtime" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "runtime")],
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["colocate_runtime"] = module
-        spec.loader.exec_module(module)
+def import_package(name: str, folder: str) -> None:
+    if importlib.util.find_spec(name) is not None:
+        return
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / folder / "__init__.py", submodule_search_locations=[str(ROOT / folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
-import_runtime()
+for _name, _folder in PACKAGES.items():
+    import_package(_name, _folder)

@@ -10,6 +10,8 @@ Modes (trainer side):
   inplace    parameters as views of one contiguous buffer (Megatron-core DDP's `param_data`); the one-pass
              update: the buffer's storage is published, the reader gathers straight into the fused
              parameters (runtime/colocated/inplace.py, gather.py)
+  kept       inplace, and the reader keeps the buffer mapped from step to step (`keep_mapped`,
+             runtime/colocated/kept.py): no open and no unmapping per step
   separate   one allocation per parameter (no DDP buffer): nothing large enough to export, so pieces are
              converted and packed into buckets, then copied (the fallback)
   packed     the DDP buffer, converted and packed every step (the path before the one-pass update)
@@ -42,7 +44,7 @@ from convert_bench import PRESETS as CONVERT_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "step.jsonl"
-MODES = ("inplace", "separate", "packed")
+MODES = ("inplace", "kept", "separate", "packed")
 
 QWEN3_30B_A3B = CONVERT_PRESETS["qwen3-30b-a3b"]
 QWEN3_8B = dict(
@@ -133,13 +135,14 @@ def run_reader(args: argparse.Namespace) -> None:
 
     from colocate_runtime.colocated.config import ColocateConfig
     from colocate_runtime.colocated.wiring import new_reader
+    from colocate_runtime.dtypes import torch_dtype
     from colocate_runtime.shards import TensorShard
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(0)
     tplan, iplan = plans(PRESETS[args.preset[0]])
-    dtype = getattr(torch, iplan.spec.dtype)
+    dtype = torch_dtype(iplan.spec.dtype)
     params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in iplan.param_shapes().items()}
     local = local_boxes(tplan, iplan)
     targets, shards = {}, {}
@@ -167,8 +170,10 @@ def megatron_rank(tplan, mode: str, device):  # type: ignore[no-untyped-def]
 
     import torch
 
+    from colocate_runtime.dtypes import torch_dtype
+
     params = [p for chunk in tplan.chunks for p in chunk.params if not p.optional]
-    dtype = getattr(torch, tplan.spec.dtype)
+    dtype = torch_dtype(tplan.spec.dtype)
     total = sum(math.prod(p.shape) for p in params)
     if mode == "separate":
         tensors = {p.names[0]: torch.empty(p.shape, dtype=dtype, device=device) for p in params}
@@ -264,10 +269,12 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
                 )
             else:
                 t_convert = t0
-                pending = writer.publish_in_place(step, layout)
+                pending = writer.publish_in_place(step, layout, keep_mapped=mode == "kept")
             report = writer.wait_and_free(pending)
             total = time.perf_counter() - t0
             steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
+            ack = writer.store.read_ack(writer.gen, step, writer.uuid)  # outside the timed step
+            kept = 0 if ack is None else len(ack.kept)
         stdout, _ = reader.communicate(timeout=1200)
     finally:
         writer.close()
@@ -314,6 +321,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         },
         "compile_s": compile_s,
         "handles": adopted,
+        "kept": kept,  # buckets the reader still maps after the last step (kept mode)
         "packed_gb": packed / 1e9,
         "pieces": len(pieces),
         "bitwise": not wrong and not missing,
@@ -360,12 +368,12 @@ def main() -> None:
     print(f"# {command}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, port, password = start_redis(Path(tmp))
+        server = start_redis(Path(tmp))
         try:
             for name in args.preset:
                 for mode in args.modes:
                     print(f"# {name} {mode} ...", flush=True)
-                    row = run_mode(args, name, mode, port, password, Path(tmp))
+                    row = run_mode(args, name, mode, server.port, server.password, Path(tmp))
                     row.update(device=device_name(args.device), commit=commit(), command=command)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -374,7 +382,7 @@ def main() -> None:
                         with RESULTS.open("a") as f:
                             f.write(json.dumps(row) + "\n")
         finally:
-            redis_proc.kill()
+            server.stop()
     print()
     head = f"{'preset':<24}{'mode':<10}{'GB':>7}{'ms':>9}{'floor':>8}{'x':>7}  phases ms (median)"
     print(head)

@@ -13,7 +13,6 @@ import argparse
 import base64
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 from colocate_devcluster import Cluster, ClusterSpec
+from colocate_devcluster.localredis import RedisServer
 from colocate_devcluster.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,24 +162,9 @@ def main() -> int:
         )
 
         say("4/7 the job's meta-store: a real redis-server with a password kept in a Secret")
-        redis_port, password = free_port(), secrets.token_hex(16)
-        spawn(
-            stack,
-            [
-                "redis-server",
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--requirepass",
-                password,
-            ],
-            logs / "redis.log",
-        )
+        redis = RedisServer(logs).start()
+        stack.callback(redis.stop)
+        password = redis.password
         cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}}])
         cluster.kubectl(
             "create",
@@ -193,7 +178,7 @@ def main() -> int:
 
         say("5/7 kubectl apply -f examples/colocatejob.yaml")
         job = yaml.safe_load((ROOT / "examples" / "colocatejob.yaml").read_text())
-        job["spec"]["metaStore"]["external"]["address"] = f"127.0.0.1:{redis_port}"
+        job["spec"]["metaStore"]["external"]["address"] = redis.addr
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
         pods = wait(lambda: _running_pods(cluster, job["spec"]["numNodes"]), 120, "the job's pods Running")
         print(cluster.kubectl("get", "colocatejobs,pods", "-n", "demo", "-o", "wide").stdout, end="")

@@ -3,27 +3,39 @@ the rollout engine of the same pod (the SGLang stand-in), through the real Redis
 
 Configuration is the pod's environment as the operator built it (COLOCATE_*), plus DEMO_STEPS.
 Prints one JSON line per step for the demo driver.
+
+When SGLang alone restarts (its container restarted in place, the trainer running on), the trainer waits
+for it to serve, pushes its current weights to it again (colocated/repush.py: the last step once more, no
+training step), checks them bitwise against its own, prints a `repushed` line and carries on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 import requests
 import torch
 import torch.nn.functional as F
 
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.outcome import StepFailed, StepReport
+from colocate_runtime.colocated.repush import EngineWatch, push_again
 from colocate_runtime.colocated.wiring import new_writer
-from colocate_runtime.sglang.client import HttpPolicy, SGLangClient
-from colocate_runtime.sglang.rollout import ColocatedRollout
+from colocate_runtime.colocated.writer import WeightWriter
+from colocate_runtime.sglang.client import HttpPolicy, SGLangClient, SGLangError
+from colocate_runtime.sglang.rollout import ColocatedRollout, StepNotInstalled
 from colocate_runtime.sglang.standin import TinyLM
 
+T = TypeVar("T")
 PROMPT = [3, 1, 4, 1, 5]
+ENGINE_DOWN = (requests.RequestException, SGLangError)  # what a call meets while SGLang restarts
 
 
 def forward(params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -50,6 +62,86 @@ def rollout_rewards(url: str, vocab: int, prompts: int = 8) -> float:
     return correct / max(1, total)
 
 
+def engine_weights_match(url: str, model: TinyLM) -> bool:
+    """Every parameter the engine holds equals the trainer's, bit for bit (bf16 -> float32 is exact)."""
+    for name, p in model.named_parameters():
+        got = requests.post(
+            f"{url}/get_weights_by_name", json={"name": name, "truncate_size": p.numel()}, timeout=30
+        ).json()
+        if not torch.equal(torch.tensor(got, dtype=torch.float32), p.detach().float().reshape(-1)):
+            return False
+    return True
+
+
+class Engine:
+    """The rollout engine as the trainer drives it, and its recovery after SGLang restarted alone."""
+
+    def __init__(self, cfg: ColocateConfig, writer: WeightWriter | None = None) -> None:
+        self.cfg = cfg
+        self.client = SGLangClient(
+            cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=cfg.sglang_api_key
+        )
+        self.client.wait_ready(60)
+        self.rollout = ColocatedRollout(self.client)
+        self.rollout.start()  # the engine's workers answer the writer's IPC preflight from now on
+        self.watch: EngineWatch | None = None if writer is None else EngineWatch(writer)
+
+    def install(self, writer: WeightWriter, step: int, model: TinyLM) -> StepReport:
+        """Publish and install one step; if SGLang went away meanwhile, recover and push it again."""
+        pending = writer.publish(step, dict(model.named_parameters()), weight_version=str(step))
+        try:
+            report = self.rollout.install_weights(str(step), confirm=partial(writer.wait_and_free, pending))
+        except ENGINE_DOWN as err:
+            if not isinstance(err, StepNotInstalled):
+                # SGLang died before the step's wait began: settle the step first (the writer frees its
+                # buckets once the dead reader's heartbeat is gone), then push it again.
+                with contextlib.suppress(StepFailed):
+                    writer.wait_and_free(pending)
+            return self.recover(writer, model)
+        assert self.watch is not None
+        self.watch.mark()
+        return report
+
+    def recover(self, writer: WeightWriter, model: TinyLM) -> StepReport:
+        """SGLang restarted in place: wait until it serves, start its colocated side, push the last step again
+        with the weights held now (no training step), check them bitwise."""
+        wait = float(os.environ.get("DEMO_ENGINE_WAIT_SECONDS", "120"))
+        self.client = SGLangClient(
+            self.cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=self.cfg.sglang_api_key
+        )
+        self.client.wait_ready(wait)
+        self.rollout = ColocatedRollout(self.client)
+        self.rollout.start()  # registers the new engine instance where no plugin did
+        assert self.watch is not None
+        if not self.watch.wait_restarted(30):
+            raise RuntimeError("SGLang serves again but no new engine instance registered")
+        step = writer.last_step
+        self.rollout.before_training()
+        pending = push_again(writer, dict(model.named_parameters()), weight_version=str(step))
+        report = self.rollout.install_weights(str(step), confirm=partial(writer.wait_and_free, pending))
+        self.watch.mark()
+        bitwise = engine_weights_match(self.client.base_url, model)
+        print(json.dumps({"repushed": step, "bitwise": bitwise, "pid": os.getpid()}), flush=True)
+        return report
+
+    def serve(self, writer: WeightWriter, model: TinyLM, call: Callable[[], T]) -> T:
+        """`call` against the engine; once more after a recovery if SGLang restarted before or during it."""
+        assert self.watch is not None
+        try:
+            if self.watch.restarted():
+                self.recover(writer, model)
+            result = call()
+        except ENGINE_DOWN:
+            self.recover(writer, model)
+            return call()
+        if self.watch.restarted():
+            # The client's retries carried the call through the restart to the new engine (it registers
+            # before it serves), which answered from its checkpoint weights: recover, then call again.
+            self.recover(writer, model)
+            return call()
+        return result
+
+
 def main() -> int:
     torch.manual_seed(int(os.environ.get("COLOCATE_REPLICA_INDEX", "0")))
     torch.set_num_threads(1)
@@ -62,18 +154,17 @@ def main() -> int:
     vocab = model.embed_tokens.shape[0]
     data = torch.arange(256) % vocab  # learn to count: next token = token + 1
 
-    client = SGLangClient(cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=cfg.sglang_api_key)
-    client.wait_ready(60)
-    rollout = ColocatedRollout(client)
-    rollout.start()  # the engine's workers answer the writer's IPC preflight from now on
+    engine = Engine(cfg)
     writer = new_writer(cfg)
+    engine.watch = EngineWatch(writer)
     ok = True
     try:
         for step in range(1, steps + 1):
             step_started = time.perf_counter()
-            rewards = rollout_rewards(client.base_url, vocab)  # the RL rollout, served by the engine
+            # The RL rollout, served by the engine (after a recovery if SGLang restarted alone).
+            rewards = engine.serve(writer, model, lambda: rollout_rewards(engine.client.base_url, vocab))
             time.sleep(max(0.0, pace - (time.perf_counter() - step_started)))  # a watchable pace
-            rollout.before_training()  # SGLang pauses and hands its memory back
+            engine.serve(writer, model, lambda: engine.rollout.before_training())  # pause, release
             t0 = time.perf_counter()
             for _ in range(5):
                 start = torch.randint(0, len(data) - 17, (8,))
@@ -89,11 +180,10 @@ def main() -> int:
                 for name, p in model.named_parameters():
                     p.copy_(master[name])  # bf16 weights as the rollout engine holds them
             t1 = time.perf_counter()
-            pending = writer.publish(step, dict(model.named_parameters()), weight_version=str(step))
-            report = rollout.install_weights(str(step), confirm=partial(writer.wait_and_free, pending))
+            report = engine.install(writer, step, model)
             sync_s = time.perf_counter() - t1
             out = requests.post(
-                f"{client.base_url}/generate",
+                f"{engine.client.base_url}/generate",
                 json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}},
                 timeout=30,
             ).json()

@@ -1,10 +1,12 @@
 """`python -m bench.scale`: our operator and KubeRay's, each alone, on one local control plane with many
 fake 8-GPU nodes (kwok), at several numbers of jobs. See docs/benchmarks.md ("Operator at scale").
 
-    .venv/bin/python -m bench.scale --sizes 10,50,100,250 --nodes 1000
+    .venv/bin/python -m bench.scale --sizes 250,500 --nodes 2000 --repeats 3
 
-Writes <out>/results.json (every figure of every run), <out>/tables.md and the plot; the control plane's
-logs, the operators' logs and the audit log stay in --workdir.
+Per size the operators run interleaved, `--repeats` times (ours, KubeRay, ours, KubeRay, ...), so a change in
+the machine's load falls on both; the tables give each ratio's median and spread over the repetitions.
+Writes <out>/<UTC time>/results.json (every figure of every run, written after each run), tables.md and the
+plot; the control plane's logs, the operators' logs and the audit log stay in --workdir.
 """
 
 from __future__ import annotations
@@ -43,8 +45,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=30.0, help="seconds after all jobs are up")
     parser.add_argument("--steady", type=float, default=60.0, help="idle window measured afterwards (s)")
     parser.add_argument("--steps", type=float, default=60.0, help="step-event window of colocate (s)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs of each operator per size (default 3)"
+    )
+    parser.add_argument(
+        "--up-timeout",
+        type=float,
+        default=None,
+        help="seconds a run may wait for every pod Running before it stops as incomplete "
+        "(default 180 + 2 per job)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "scale" / "results")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "bench" / "scale" / "results",
+        help="a new directory per invocation is made in here",
+    )
     parser.add_argument("--plots", type=Path, default=None, help="write the PNG here (e.g. docs)")
     parser.add_argument(
         "--operator-ref",
@@ -78,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     kuberay_bin, kuberay_crds = build_kuberay() if "kuberay" in operators else (None, None)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="colocate-scale-"))
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
     say(f"work directory (logs, audit log): {workdir}")
     source = snapshot(args.operator_ref, workdir / "operator-source")
     say(f"our operator: {source.commit or 'work tree'}")
@@ -92,35 +110,52 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     bed.start()
-    runs = []
+    runs: list[dict] = []
+    failed: list[dict] = []
     try:
-        for size in sizes:
-            for operator in operators:
-                spec = RunSpec(
-                    operator,
-                    size,
-                    settle_seconds=args.settle,
-                    steady_seconds=args.steady,
-                    step_seconds=args.steps,
-                )
+        for size, repeat, operator in schedule(sizes, operators, args.repeats):
+            spec = RunSpec(
+                operator,
+                size,
+                settle_seconds=args.settle,
+                steady_seconds=args.steady,
+                step_seconds=args.steps,
+                repeat=repeat,
+                up_timeout=args.up_timeout,
+            )
+            try:
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))
-                _write(args.out, args, runs, time.monotonic() - started, source.commit)
+            except Exception as e:  # one failed run is recorded; the next one still runs
+                say(f"run {spec.label} failed: {type(e).__name__}: {str(e)[:300]}")
+                failed.append({"run": spec.label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            _write(out, args, runs, time.monotonic() - started, source.commit, failed)
     finally:
         bed.stop()
     tables = report.render(runs)
-    (args.out / "tables.md").write_text(tables)
+    (out / "tables.md").write_text(tables)
     print(tables)
     if args.plots:
         for path in report.plot(runs, args.plots):
             say(f"wrote {path}")
-    say(f"done in {(time.monotonic() - started) / 60:.1f} min; results in {args.out / 'results.json'}")
+    say(f"done in {(time.monotonic() - started) / 60:.1f} min; results in {out / 'results.json'}")
     return 0
 
 
-def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float, commit: str) -> None:
+def schedule(sizes: list[int], operators: list[str], repeats: int) -> list[tuple[int, int, str]]:
+    """(size, repeat, operator) in the order they run: per size, the operators in turn, `repeats` times."""
+    return [(size, r, op) for size in sizes for r in range(repeats) for op in operators]
+
+
+def _write(
+    out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float, commit: str, failed: list[dict]
+) -> None:
     meta = {
+        "failed_runs": failed,
         "command": "python -m bench.scale " + " ".join(sys.argv[1:]),
         "nodes": args.nodes,
+        "repeats": args.repeats,
+        "order": "per size: the operators in turn, repeated (interleaved)",
+        "loadavg_at_start": LOAD_AT_START,
         "machine": {"cpus": _cpus(), "python": platform.python_version()},
         "elapsed_seconds": elapsed,
         "git": _git_head(),
@@ -129,6 +164,15 @@ def _write(out: Path, args: argparse.Namespace, runs: list[dict], elapsed: float
         "operator_source_sha256": _source_digest(ROOT / "operator"),
     }
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+
+
+def _loadavg() -> list[float]:
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+LOAD_AT_START = _loadavg()  # 1, 5 and 15 min, when the invocation started
 
 
 def _cpus() -> int:

@@ -15,6 +15,10 @@ _register = cli.handlers.register
 
 
 def has_step_handlers(registry: Any) -> bool:
+    # Since the one job-event handler also starts the followers, the followers' startup handler says so.
+    activities = getattr(registry, "_activities", None)
+    if activities is not None and any(str(h.id) == "start-steps" for h in activities.get_all_handlers()):
+        return True
     for part in ("_watching", "_spawning", "_changing"):
         handlers = getattr(registry, part, None)
         if handlers is not None and any(str(h.id) == "steps" for h in handlers.get_all_handlers()):
@@ -22,8 +26,8 @@ def has_step_handlers(registry: Any) -> bool:
     return False
 
 
-def register(registry: Any, config: Any, kube: Any = None) -> None:
-    _register(registry, config, kube)
+def register(registry: Any, config: Any, kube: Any = None, **kwargs: Any) -> None:
+    _register(registry, config, kube, **kwargs)
     if not has_step_handlers(registry):
         stepwatch.register(registry, config)
 

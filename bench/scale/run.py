@@ -47,11 +47,17 @@ class RunSpec:
     settle_seconds: float = 30.0
     steady_seconds: float = 60.0
     step_seconds: float = 60.0  # colocate only: how long every job reports one step per second
+    repeat: int = 0  # which of the interleaved repetitions of this size
+    up_timeout: float | None = None  # bound on the wait for every pod Running; None: 180 s + 2 s per job
 
     @property
     def timeout(self) -> float:
-        """Bound on the wait for every pod Running."""
-        return 180.0 + 2.0 * self.jobs
+        """Bound on the wait for every pod Running: a run past it stops and is recorded as incomplete."""
+        return self.up_timeout if self.up_timeout is not None else 180.0 + 2.0 * self.jobs
+
+    @property
+    def label(self) -> str:
+        return f"{self.operator}-{self.jobs}-{self.repeat}"
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -68,7 +74,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def _operator(
     bed: Testbed, spec: RunSpec, namespace: str, logs: Path, kuberay: Path | None
 ) -> OperatorProcess:
-    log = logs / f"{spec.operator}-{spec.jobs}.log"
+    log = logs / f"{spec.label}.log"
     if spec.operator in ("colocate", "colocate-managed"):
         with_steps = spec.operator == "colocate"
         return colocate_operator(
@@ -204,7 +210,7 @@ def _create_jobs(
     bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline
 ) -> dict[str, float]:
     created: dict[str, float] = {}
-    metastore = bed.redis.address if workload.operator == "colocate" and bed.redis else ""
+    metastore = bed.redis.addr if workload.operator == "colocate" and bed.redis else ""
     tl.t0 = time.time()
     for i in range(jobs):
         name = job_name(i)
@@ -246,21 +252,29 @@ def run(bed: Testbed, spec: RunSpec, logs: Path, kuberay: Path | None = None) ->
     """Measure one operator with spec.jobs jobs; the operator is stopped and the namespace deleted after,
     whatever happens."""
     workload = WORKLOADS[spec.operator]
-    namespace = f"{spec.operator}-{spec.jobs}"
-    say(f"run {spec.operator} x {spec.jobs} jobs in namespace {namespace}")
+    namespace = spec.label
+    say(f"run {spec.operator} x {spec.jobs} jobs (repeat {spec.repeat}) in namespace {namespace}")
     bed.create_namespace(namespace)
+    result: dict[str, Any] = {}
     try:
         bed.wait_listable(workload.path(namespace))
         if spec.operator == "colocate":
             bed.metastore_secret(namespace)
         operator = _operator(bed, spec, namespace, logs, kuberay)
         try:
-            return _measure(bed, spec, workload, namespace, operator)
+            result = _measure(bed, spec, workload, namespace, operator)
+            return result
         finally:
             operator.stop()
     finally:
-        deleted_in = bed.delete_namespace(namespace, workload.plural, workload.api_version)
-        say(f"  namespace {namespace} deleted in {deleted_in:.1f} s")
+        # A cleanup that runs past its bounds (an overloaded apiserver) must not lose the run measured: the
+        # next run has a namespace of its own.
+        try:
+            deleted_in = bed.delete_namespace(namespace, workload.plural, workload.api_version)
+            say(f"  namespace {namespace} deleted in {deleted_in:.1f} s")
+        except Exception as e:  # recorded with the run, never raised past it
+            say(f"  namespace {namespace} not deleted: {type(e).__name__}: {str(e)[:200]}")
+            result["cleanup_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def _measure(
@@ -325,12 +339,13 @@ def _measure(
         )
     latencies = _latencies(workload, created, pods, ready_at)
     raw = {"created": created, "ready": ready_at, "pods": [asdict(p) for p in pods], "t0": tl.t0}
-    (operator.log_path.parent / f"{spec.operator}-{spec.jobs}-timeline.json").write_text(json.dumps(raw))
+    (operator.log_path.parent / f"{spec.label}-timeline.json").write_text(json.dumps(raw))
     jobs = max(1, spec.jobs)
     per_minute = 60.0 / spec.steady_seconds / jobs if spec.steady_seconds else 0.0
     result = {
         "operator": spec.operator,
         "jobs": spec.jobs,
+        "repeat": spec.repeat,
         "spec": asdict(spec),
         "complete": tl.complete,
         "create_errors": tl.create_errors,
@@ -374,6 +389,12 @@ def _measure(
             "end": u2.rss_bytes,
             "peak_sampled": sampler.peak_rss_bytes,
             "peak_vmhwm": hwm,
+            # Sampled every 0.5 s until the step window (or the idle window's end): what the jobs' start
+            # costs, apart from what following their step streams costs.
+            "peak_sampled_before_steps": max(
+                (rss for at, _, rss in sampler.samples if at < (stepped["window"][0] if stepped else tl.t2)),
+                default=0,
+            ),
         },
         "final_state": final,
         "operator_log": _log_errors(operator.log_path),

@@ -1,7 +1,8 @@
-"""Step events for the "status writes per step" measurement: a local Redis, and an emitter that makes every
-job report one completed weight-update step per second on its step-event stream.
+"""Step events for the "status writes per step" measurement: an emitter that makes every job report one
+completed weight-update step per second on its step-event stream, in the local Redis the testbed starts
+(colocate_devcluster.localredis, the launcher tests and the demo share).
 
-The entries follow runtime/colocated/events.py (schema v1). Only what completes a step for the operator is
+The entries follow runtime/contract/events.py (schema v1). Only what completes a step for the operator is
 written: one trainer `finished` record with `result=ok` per GPU of the job (4 pods x 8 GPUs = 32 per job and
 step); the runtime's intermediate phases are left out, so this is the least stream traffic a real job sends.
 The records are generated inside Redis by a Lua script, so the emitter itself costs little CPU.
@@ -9,18 +10,14 @@ The records are generated inside Redis by a Lua script, so the emitter itself co
 
 from __future__ import annotations
 
-import secrets
-import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 
-from bench.scale.operators import free_port
-from colocate_runtime.colocated.events import STREAM_MAXLEN, stream_key
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.contract.events import STREAM_MAXLEN, stream_key
 
 # KEYS[1]: the job's stream; ARGV: step, ts, pods, GPUs per pod, maxlen.
 EMIT_STEP = """
@@ -40,67 +37,10 @@ return pods * gpus
 
 
 @dataclass
-class LocalRedis:
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    password: str = field(default_factory=lambda: secrets.token_hex(16))
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20) -> LocalRedis:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server is needed for the step-event runs (apt-get install redis-server)"
-            )
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with (self.workdir / "redis.log").open("ab") as log:
-            # The password goes through stdin (a config read from "-"), never on the command line.
-            self.process = subprocess.Popen(
-                [binary, "-"],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            assert self.process.stdin is not None
-            config = (
-                f'port {self.port}\nbind 127.0.0.1\nrequirepass {self.password}\nsave ""\n'
-                f"appendonly no\ndir {self.workdir}\n"
-            )
-            self.process.stdin.write(config.encode())
-            self.process.stdin.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.client().ping():
-                    return self
-            except redis.RedisError:
-                time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"redis-server not answering on {self.address} after {timeout:.0f} s")
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-@dataclass
 class Emitter:
     """Every `interval` seconds, one step for every job (step 1, 2, ...), until stopped."""
 
-    redis_: LocalRedis
+    redis_: RedisServer
     namespace: str
     jobs: list[str]
     pods: int
@@ -136,7 +76,7 @@ class Emitter:
         return time.monotonic() - started
 
     def _run(self) -> None:
-        client = self.redis_.client()
+        client = self.redis_.client(socket_timeout=10)  # a 250-job round is one long pipeline
         next_round = time.monotonic()
         while not self._stop.is_set():
             took = self.emit_round(client)

@@ -26,9 +26,9 @@ import yaml
 
 from bench.scale.kubeapi import Api, ApiError
 from bench.scale.source import OperatorSource, snapshot
-from bench.scale.steps import LocalRedis
 from bench.scale.workloads import METASTORE_SECRET
 from colocate_devcluster import Cluster, ClusterSpec, manifests
+from colocate_devcluster.localredis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY_CRDS = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
@@ -72,7 +72,7 @@ class Testbed:
     with_redis: bool = False  # for the step-event runs
     source: OperatorSource = field(default_factory=lambda: snapshot("worktree", Path()))
     cluster: Cluster = field(init=False)
-    redis: LocalRedis | None = None
+    redis: RedisServer | None = None
     api: Api = field(init=False)
     kubeconfigs: dict[str, Path] = field(default_factory=dict)
 
@@ -111,7 +111,7 @@ class Testbed:
             self._accounts()
             self._crds()
             if self.with_redis:
-                self.redis = LocalRedis(self.workdir / "redis").start()
+                self.redis = RedisServer(self.workdir / "redis").start(timeout_s=20)
         except BaseException:
             self.stop()
             raise

@@ -10,9 +10,10 @@ import pytest
 
 from bench.scale import audit, report
 from bench.scale.run import RunSpec, percentile, run
-from bench.scale.steps import Emitter, LocalRedis
+from bench.scale.steps import Emitter
 from bench.scale.testbed import Testbed, username
-from colocate_runtime.colocated.events import decode_entries, stream_key
+from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.contract.events import decode_entries, stream_key
 
 pytestmark = pytest.mark.integration
 
@@ -34,12 +35,18 @@ def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
     startup = result["requests"]["startup"]
     assert startup["by_kind"]["create pods"] == 8
     assert result["requests"]["status_writes_startup_per_job"] >= 1
+    # Issue 18: a job comes up on its writes and one read of its meta-store Secret, no more than KubeRay's
+    # 12; passes take the job and its pods from the watches (no GET of the job, no LIST of its pods).
+    assert result["requests"]["startup_per_job"] <= 12, startup
+    assert not {"get colocatejobs", "list pods"} & set(startup["by_kind"]), startup
     assert result["operator_rss_bytes"]["peak_vmhwm"] > 10 * 2**20
     assert result["operator_cpu_seconds"]["startup"] > 0
     # The operator's step daemon followed the jobs' streams: every step reached status, one write at most.
     steps = result["step_events"]
     assert steps["steps"] >= 2 and steps["jobs_behind_after_catch_up"] == 0
     assert 0 < steps["status_writes_per_job_per_step"] <= 1
+    # A follower's first write starts from the job as the watch last showed it: no 409, no GET of the job.
+    assert not steps["requests"]["errors"] and "get colocatejobs" not in steps["requests"]["by_kind"], steps
     tables = report.render([result])
     assert "| 2 | ColocateJob (ours) |" in tables
 
@@ -85,7 +92,7 @@ def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> Non
 
 def test_emitted_steps_are_step_events_that_complete_a_step(tmp_path: Path) -> None:
     """The emitter's records (made by a Lua script inside Redis) decode with the runtime's own decoder."""
-    server = LocalRedis(tmp_path / "redis").start()
+    server = RedisServer(tmp_path / "redis").start()
     try:
         emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8)
         client = server.client()
