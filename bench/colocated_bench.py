@@ -56,6 +56,8 @@ def env_for(args: argparse.Namespace, port: int, password: str, mode: str, shm: 
         "COLOCATE_BUCKET_MB": str(args.bucket_mb),
         "COLOCATE_STEP_TIMEOUT_SECONDS": "300",
         "COLOCATE_HEARTBEAT_TTL_SECONDS": "10",
+        # The trainer's ACK spin (contract/env.py) is the runtime's default unless the caller sets it.
+        **{k: os.environ[k] for k in ("COLOCATE_ACK_SPIN_MS",) if k in os.environ},
     }
 
 

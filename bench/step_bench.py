@@ -322,6 +322,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         "compile_s": compile_s,
         "handles": adopted,
         "kept": kept,  # buckets the reader still maps after the last step (kept mode)
+        "ack_spin_ms": ColocateConfig.from_env(env).ack_spin_ms,
         "packed_gb": packed / 1e9,
         "pieces": len(pieces),
         "bitwise": not wrong and not missing,

@@ -25,6 +25,15 @@ python=${PYTHON:-python3}
   || { step "Python >= 3.11 is required ($python is $("$python" --version 2>&1))"; exit 1; }
 stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
+  # torch with its CUDA libraries unpacks to about 7 GB beside pip's cache of the wheels; say so plainly
+  # instead of letting pip fail half way with "No space left on device".
+  need_gb=10
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    step "only $free_gb GB free on $(df -P . | awk 'NR == 2 {print $6}'); the virtual environment needs about $need_gb GB"
+    step "(clean clones of this repository with their own .venv are the usual culprit)"
+    exit 1
+  fi
   step "creating .venv and installing colocate-operator[dev] (first run downloads torch: a few GB)"
   [ -x .venv/bin/python ] || "$python" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip

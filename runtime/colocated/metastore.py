@@ -446,6 +446,17 @@ class MetaStore:
         return None if raw is None else _ack(raw, step)
 
     @_translated
+    def poll_ack(self, gen: int, step: int, uuid: str) -> Ack | None:
+        """`wait_ack` without blocking: one LPOP, for a writer that spins through a short copy."""
+        got = self.client.lpop(self.keys.ack_queue(gen, step, uuid))
+        if got is None:
+            return None
+        if got.startswith(b"{"):
+            return _ack(got, step)
+        raw = self.client.get(self.keys.ack(gen, step, uuid))
+        return None if raw is None else _ack(raw, step)
+
+    @_translated
     def read_ack(self, gen: int, step: int, uuid: str) -> Ack | None:
         raw = self.client.get(self.keys.ack(gen, step, uuid))
         return None if raw is None else _ack(raw, step)

@@ -102,6 +102,7 @@ class WriterSettings:
     heartbeat_ttl_s: float = float(env.HEARTBEAT_TTL_SECONDS.default)
     checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
+    ack_spin_s: float = env.ACK_SPIN_MS.default / 1e3  # poll for the ACK this long first (_spin_for_ack)
     preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
     termination_log: str | None = None  # `finish` also leaves the final record there if it exists
 
@@ -115,6 +116,7 @@ class WriterSettings:
             bucket_bytes=cfg.bucket_bytes,
             step_timeout_s=cfg.step_timeout_s,
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            ack_spin_s=cfg.ack_spin_ms / 1e3,
             checksum_entries=checksum_entries if cfg.verify == "SampledChecksum" else 0,
             preflight=PreflightSettings.from_config(cfg),
             termination_log=TERMINATION_LOG,
@@ -437,9 +439,11 @@ class WeightWriter:
         reader = PeerWatch(self.store, "reader", self.uuid, self.settings.heartbeat_ttl_s)
         t0 = time.perf_counter()
         unreachable: str | None = None
+        ack = self._spin_for_ack(pending)
         while True:
             try:
-                ack = self._bound_ack(pending, deadline.slice())
+                if ack is None:
+                    ack = self._bound_ack(pending, deadline.slice())
                 unreachable = None
                 if ack is not None:
                     # From the manifest's write (not from this call): the reader may have been at work while
@@ -615,13 +619,31 @@ class WeightWriter:
 
     # --- ACKs ---------------------------------------------------------------------------------------------
 
-    def _bound_ack(self, pending: PendingStep, timeout_s: float) -> Ack | None:
-        """The next ACK of the step that its claimant wrote. Any other (from a process that does not hold the
-        claim, or one that does not decode) frees nothing: it is logged and reported once, and the wait goes
-        on. Raises MetaStoreUnavailable."""
+    def _spin_for_ack(self, pending: PendingStep) -> Ack | None:
+        """Poll for the ACK for `ack_spin_s` before blocking on it. A blocked trainer and an idle Redis server
+        wake on cold cores (about 0.3 ms each on the H200 hosts, bench/hop_bench.py), and a short step is
+        over in a few ms; polling keeps both awake through the copy. None when the spin ends without an ACK
+        (or the store is unreachable): the blocking loop, with its abort and liveness checks, takes over."""
+        until = time.perf_counter() + min(self.settings.ack_spin_s, self.settings.step_timeout_s)
+        try:
+            while time.perf_counter() < until:
+                ack = self._bound_ack(pending, None)
+                if ack is not None:
+                    return ack
+        except MetaStoreUnavailable:
+            pass
+        return None
+
+    def _bound_ack(self, pending: PendingStep, timeout_s: float | None) -> Ack | None:
+        """The next ACK of the step that its claimant wrote (`timeout_s` None: do not block). Any other (from
+        a process that does not hold the claim, or one that does not decode) frees nothing: it is logged and
+        reported once, and the wait goes on. Raises MetaStoreUnavailable."""
         gen, step = pending.gen, pending.step
         try:
-            ack = self.store.wait_ack(gen, step, self.uuid, timeout_s)
+            if timeout_s is None:
+                ack = self.store.poll_ack(gen, step, self.uuid)
+            else:
+                ack = self.store.wait_ack(gen, step, self.uuid, timeout_s)
         except MalformedAck as err:
             self._reject_ack(pending, str(err))
             return None

@@ -536,3 +536,60 @@ def test_kept_buckets_stay_mapped_until_a_manifest_stops_keeping_them(
     finally:
         reader.close()
     assert not any(mapped(f) for f in files)  # the reader's close drops what it kept
+
+
+def ack_polls(store) -> int:  # type: ignore[no-untyped-def]
+    """LPOP calls the server has answered since its stats were last reset (only the ACK spin sends them)."""
+    return int(store.client.info("commandstats").get("cmdstat_lpop", {}).get("calls", 0))
+
+
+def test_the_writer_polls_for_the_ack_through_a_short_step_and_blocks_after(cfg: ColocateConfig) -> None:
+    targets = model.targets()
+    writer = new_writer(dataclasses.replace(cfg, ack_spin_ms=1000))
+    assert writer.settings.ack_spin_s == 1.0
+    try:
+        with ReaderThread(new_reader(cfg, targets)) as rt:
+            writer.store.client.config_resetstat()
+            writer.update(1, model.weights(1))
+            assert model.all_equal(model.weights(1), targets) == []
+            assert ack_polls(writer.store) > 0  # taken by the spin
+
+            writer.settings = dataclasses.replace(writer.settings, ack_spin_s=0.0)
+            writer.store.client.config_resetstat()
+            writer.update(2, model.weights(2))
+            assert model.all_equal(model.weights(2), targets) == []
+            assert ack_polls(writer.store) == 0  # blocked at once
+            assert rt.errors == []
+    finally:
+        writer.close()
+
+
+def test_a_spin_that_ends_before_the_ack_hands_over_to_the_blocking_wait(cfg: ColocateConfig) -> None:
+    targets = model.targets()
+    writer = new_writer(dataclasses.replace(cfg, ack_spin_ms=50))
+    try:
+        writer.store.client.config_resetstat()
+        pending = writer.publish(1, model.weights(1))
+
+        def apply_late() -> None:
+            reader = new_reader(cfg, targets)
+            try:
+                reader.apply_next(timeout_s=5.0)
+            finally:
+                reader.close()
+
+        late = threading.Timer(0.5, apply_late)
+        late.start()
+        started = time.monotonic()
+        report = writer.wait_and_free(pending)
+        late.join()
+        assert time.monotonic() - started >= 0.5 and report.step == 1
+        assert model.all_equal(model.weights(1), targets) == []
+        assert ack_polls(writer.store) > 0
+    finally:
+        writer.close()
+
+
+def test_an_ack_spin_outside_its_bounds_is_refused(redis_server: RedisServer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"COLOCATE_ACK_SPIN_MS=5000\.0: expected 0 to 1000"):
+        shm_config(redis_server, tmp_path, COLOCATE_ACK_SPIN_MS="5000")
