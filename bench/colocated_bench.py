@@ -397,8 +397,12 @@ def run_mode(
         layout = writer.in_place_layout([WholeTensor(n, t) for n, t in weights.items()], min_adopt_bytes=0)
     nbytes = sum(t.numel() * 2 for t in weights.values())
     writer_steps = []
+    spins = args.ack_spin_ms or [writer.settings.ack_spin_s * 1e3]
     try:
         for step in range(1, args.steps + 1):
+            # Spin values alternate step by step: a paired comparison, immune to the machine's drift.
+            spin_ms = spins[step % len(spins)]
+            writer.settings = dataclasses.replace(writer.settings, ack_spin_s=spin_ms / 1e3)
             if layout is not None:
                 # in_place_kept: the reader keeps the buffer mapped across steps (colocated/kept.py)
                 pending = writer.publish_in_place(step, layout, keep_mapped=mode == "in_place_kept")
@@ -412,6 +416,7 @@ def run_mode(
                     "end_to_end": report.phase_seconds["publish"] + report.phase_seconds["wait_ack"],
                     "after_publish": time.perf_counter() - t0,
                     "handles": report.handles,
+                    "ack_spin_ms": spin_ms,
                 }
             )
         stdout, _ = reader.communicate(timeout=600)
@@ -421,6 +426,26 @@ def run_mode(
             reader.kill()
     result = json.loads(stdout.strip().splitlines()[-1])
     return {"size_gb": size_gb, "mode": mode, "bytes": nbytes, "writer": writer_steps, **result}
+
+
+def by_spin(result: dict) -> list[dict]:
+    """One result per ACK spin value (--ack-spin-ms A B) holding that value's steps (the table drops the
+    first of each as its warm-up). Reader rows pair with writer rows by step."""
+    spins = sorted({w["ack_spin_ms"] for w in result["writer"]})
+    if len(spins) < 2:
+        return [result]
+    out = []
+    for spin in spins:
+        picked = [i for i, w in enumerate(result["writer"]) if w["ack_spin_ms"] == spin]
+        out.append(
+            {
+                **result,
+                "mode": f"{result['mode']} spin {spin:g}",
+                "writer": [result["writer"][i] for i in picked],
+                "reader": [result["reader"][i] for i in picked],
+            }
+        )
+    return out
 
 
 class WholeTensor:
@@ -516,6 +541,13 @@ def main() -> None:
         help="the reader's copy: one batched kernel launch per bucket, or copy_ per entry (the earlier way)",
     )
     p.add_argument("--serial-open", action="store_true", help="open every bucket before copying any")
+    p.add_argument(
+        "--ack-spin-ms",
+        type=float,
+        nargs="+",
+        help="the trainer's ACK spin (COLOCATE_ACK_SPIN_MS); several values alternate step by step and get a "
+        "row each",
+    )
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per method (--role copy)")
     p.add_argument("--json", default="", help="also write the raw results here")
     args = p.parse_args()
@@ -539,7 +571,7 @@ def main() -> None:
     try:
         for size in args.size_gb:
             for mode in args.modes:
-                results.append(run_mode(args, size, mode, server.port, server.password, workdir / "shm"))
+                results += by_spin(run_mode(args, size, mode, server.port, server.password, workdir / "shm"))
                 print(f"# done: {size} GB {mode}", flush=True)
     finally:
         server.stop()
