@@ -36,6 +36,9 @@ from colocate_runtime.sglang.standin import TinyLM
 T = TypeVar("T")
 PROMPT = [3, 1, 4, 1, 5]
 ENGINE_DOWN = (requests.RequestException, SGLangError)  # what a call meets while SGLang restarts
+# SGLang restarts in place here: a pause or release must fail on the dead engine (then `recover` starts
+# from the new engine's clean state), not be retried onto the new one.
+ENGINE_POLICY = HttpPolicy(timeout_s=30, retries=3, retry_unsent_effectful=False)
 
 
 def forward(params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -78,9 +81,7 @@ class Engine:
 
     def __init__(self, cfg: ColocateConfig, writer: WeightWriter | None = None) -> None:
         self.cfg = cfg
-        self.client = SGLangClient(
-            cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=cfg.sglang_api_key
-        )
+        self.client = SGLangClient(cfg.sglang_url, ENGINE_POLICY, api_key=cfg.sglang_api_key)
         self.client.wait_ready(60)
         self.rollout = ColocatedRollout(self.client)
         self.rollout.start()  # the engine's workers answer the writer's IPC preflight from now on
@@ -106,9 +107,7 @@ class Engine:
         """SGLang restarted in place: wait until it serves, start its colocated side, push the last step again
         with the weights held now (no training step), check them bitwise."""
         wait = float(os.environ.get("DEMO_ENGINE_WAIT_SECONDS", "120"))
-        self.client = SGLangClient(
-            self.cfg.sglang_url, HttpPolicy(timeout_s=30, retries=3), api_key=self.cfg.sglang_api_key
-        )
+        self.client = SGLangClient(self.cfg.sglang_url, ENGINE_POLICY, api_key=self.cfg.sglang_api_key)
         self.client.wait_ready(wait)
         self.rollout = ColocatedRollout(self.client)
         self.rollout.start()  # registers the new engine instance where no plugin did

@@ -42,6 +42,11 @@ class HttpPolicy:
     retries: int = 3
     backoff_s: float = 0.5
     max_backoff_s: float = 4.0
+    # A call that changes the engine's state (pause, release, ...) is retried after a refused connection,
+    # since it never reached a server. Where SGLang restarts in place (container restart rules) a retry can
+    # reach the NEW engine, which then holds a pause or a release its recovery does not know of (a second
+    # release kills SGLang): such trainers set False and recover on the error instead.
+    retry_unsent_effectful: bool = True
 
 
 class SGLangClient:
@@ -106,7 +111,7 @@ class SGLangClient:
             try:
                 resp = self.session.request(method, url, json=payload, timeout=(min(5.0, timeout), timeout))
             except requests.RequestException as err:
-                if last or (effectful and not _never_sent(err)):
+                if last or (effectful and not (self.policy.retry_unsent_effectful and _never_sent(err))):
                     raise SGLangError(f"{method} {path}: {type(err).__name__}: {err}") from None
                 log.info(
                     "%s %s failed (%s); retry %d in %.1fs",

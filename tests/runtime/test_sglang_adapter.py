@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -153,6 +154,34 @@ def test_bounded_retries_and_refusals(standin) -> None:
     with pytest.raises(SGLangError):
         dead.pause_generation()  # connection refused: retried (it never reached a server), then an error
     assert time.monotonic() - t0 < 3 and not dead.paused
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["retried-onto-the-new-engine", "fails-on-the-dead-one"])
+def test_a_pause_refused_while_sglang_restarts_reaches_the_new_engine_only_when_allowed(carry: bool) -> None:
+    port = free_port()
+    state = StandinState(TinyLM(), {}, version=versions.PINNED[-1])
+    servers: list = []
+    comes_up = threading.Timer(0.3, lambda: servers.append(serve(state, port=port)))  # the restarted engine
+    policy = HttpPolicy(
+        timeout_s=5, retries=4, backoff_s=0.25, max_backoff_s=0.5, retry_unsent_effectful=carry
+    )
+    client = SGLangClient(f"http://127.0.0.1:{port}", policy)
+    comes_up.start()
+    try:
+        if carry:
+            client.pause_generation("retract")  # refused, retried: the new engine is paused
+            assert state.paused and client.paused
+        else:
+            with pytest.raises(SGLangError, match="pause_generation: ConnectionError"):
+                client.pause_generation("retract")  # a mode: no version lookup, which would wait
+            comes_up.join()
+            assert client.ready() and not state.paused and not client.paused
+            assert state.calls.count("/pause_generation") == 0
+    finally:
+        comes_up.join()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 @pytest.fixture
