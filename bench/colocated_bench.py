@@ -56,8 +56,8 @@ def env_for(args: argparse.Namespace, port: int, password: str, mode: str, shm: 
         "COLOCATE_BUCKET_MB": str(args.bucket_mb),
         "COLOCATE_STEP_TIMEOUT_SECONDS": "300",
         "COLOCATE_HEARTBEAT_TTL_SECONDS": "10",
-        # The trainer's ACK spin (contract/env.py) is the runtime's default unless the caller sets it.
-        **{k: os.environ[k] for k in ("COLOCATE_ACK_SPIN_MS",) if k in os.environ},
+        # The spins (contract/env.py) are the runtime's defaults unless the caller sets them.
+        **{k: os.environ[k] for k in ("COLOCATE_ACK_SPIN_MS", "COLOCATE_READY_SPIN_MS") if k in os.environ},
     }
 
 
@@ -131,7 +131,10 @@ def run_reader(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         floor = copy_floor(targets)
     out = []
-    for _ in range(args.steps):
+    spins = args.ready_spin_ms or [reader.settings.ready_spin_s * 1e3]
+    for step in range(1, args.steps + 1):
+        # Alternating with the writer's step (a paired comparison, as --ack-spin-ms).
+        reader.settings = dataclasses.replace(reader.settings, ready_spin_s=spins[step % len(spins)] / 1e3)
         report = reader.apply_next(timeout_s=300)
         out.append({"step": report.step, "seconds": report.phase_seconds, "gc": report.gc_fallback})
     reader.close()
@@ -368,6 +371,7 @@ def run_mode(
             "--reader-copy",
             args.reader_copy,
             *(["--serial-open"] if args.serial_open else []),
+            *(["--ready-spin-ms", *map(str, args.ready_spin_ms)] if args.ready_spin_ms else []),
         ],
         env={
             **os.environ,
@@ -398,6 +402,7 @@ def run_mode(
     nbytes = sum(t.numel() * 2 for t in weights.values())
     writer_steps = []
     spins = args.ack_spin_ms or [writer.settings.ack_spin_s * 1e3]
+    ready_spins = args.ready_spin_ms or [cfg.ready_spin_ms]
     try:
         for step in range(1, args.steps + 1):
             # Spin values alternate step by step: a paired comparison, immune to the machine's drift.
@@ -417,6 +422,7 @@ def run_mode(
                     "after_publish": time.perf_counter() - t0,
                     "handles": report.handles,
                     "ack_spin_ms": spin_ms,
+                    "ready_spin_ms": ready_spins[step % len(ready_spins)],
                 }
             )
         stdout, _ = reader.communicate(timeout=600)
@@ -429,18 +435,18 @@ def run_mode(
 
 
 def by_spin(result: dict) -> list[dict]:
-    """One result per ACK spin value (--ack-spin-ms A B) holding that value's steps (the table drops the
-    first of each as its warm-up). Reader rows pair with writer rows by step."""
-    spins = sorted({w["ack_spin_ms"] for w in result["writer"]})
-    if len(spins) < 2:
+    """One result per pair of spin values (--ack-spin-ms A B, --ready-spin-ms C D) holding that pair's steps
+    (the table drops the first of each as its warm-up). Reader rows pair with writer rows by step."""
+    pairs = sorted({(w["ack_spin_ms"], w["ready_spin_ms"]) for w in result["writer"]})
+    if len(pairs) < 2:
         return [result]
     out = []
-    for spin in spins:
-        picked = [i for i, w in enumerate(result["writer"]) if w["ack_spin_ms"] == spin]
+    for pair in pairs:
+        picked = [i for i, w in enumerate(result["writer"]) if (w["ack_spin_ms"], w["ready_spin_ms"]) == pair]
         out.append(
             {
                 **result,
-                "mode": f"{result['mode']} spin {spin:g}",
+                "mode": f"{result['mode']} ack spin {pair[0]:g} ready spin {pair[1]:g}",
                 "writer": [result["writer"][i] for i in picked],
                 "reader": [result["reader"][i] for i in picked],
             }
@@ -547,6 +553,13 @@ def main() -> None:
         nargs="+",
         help="the trainer's ACK spin (COLOCATE_ACK_SPIN_MS); several values alternate step by step and get a "
         "row each",
+    )
+    p.add_argument(
+        "--ready-spin-ms",
+        type=float,
+        nargs="+",
+        help="the reader's spin for the next step (COLOCATE_READY_SPIN_MS); several values alternate step by "
+        "step (with --ack-spin-ms: use lists whose lengths pair every value with every other)",
     )
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per method (--role copy)")
     p.add_argument("--json", default="", help="also write the raw results here")

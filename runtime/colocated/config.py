@@ -58,6 +58,7 @@ class ColocateConfig:
     step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
     heartbeat_ttl_s: float = float(env.HEARTBEAT_TTL_SECONDS.default)
     ack_spin_ms: float = float(env.ACK_SPIN_MS.default)
+    ready_spin_ms: float = float(env.READY_SPIN_MS.default)
     key_ttl_s: int = default_key_ttl(float(env.STEP_TIMEOUT_SECONDS.default))
     verify: str = env.VERIFY.default
     transport: str = env.TRANSPORT.default
@@ -77,8 +78,10 @@ class ColocateConfig:
             raise ConfigError("COLOCATE_BUCKET_MB must be positive")
         if self.step_timeout_s <= 0 or self.heartbeat_ttl_s <= 0 or self.key_ttl_s <= 0:
             raise ConfigError("timeouts and TTLs must be positive")
-        if not 0 <= self.ack_spin_ms <= 1000:
-            raise ConfigError(f"COLOCATE_ACK_SPIN_MS={self.ack_spin_ms}: expected 0 to 1000")
+        for spin in (env.ACK_SPIN_MS, env.READY_SPIN_MS):
+            value = getattr(self, spin.name.removeprefix("COLOCATE_").lower())
+            if not 0 <= value <= 1000:
+                raise ConfigError(f"{spin.name}={value}: expected 0 to 1000")
         if self.key_ttl_s < self.step_timeout_s:
             raise ConfigError(
                 f"COLOCATE_KEY_TTL_SECONDS ({self.key_ttl_s}) must be at least COLOCATE_STEP_TIMEOUT_SECONDS "
@@ -131,6 +134,7 @@ class ColocateConfig:
             step_timeout_s=step_timeout_s,
             heartbeat_ttl_s=float(read(env.HEARTBEAT_TTL_SECONDS)),
             ack_spin_ms=float(read(env.ACK_SPIN_MS)),
+            ready_spin_ms=float(read(env.READY_SPIN_MS)),
             key_ttl_s=default_key_ttl(step_timeout_s) if key_ttl_s is None else key_ttl_s,
             verify=read(env.VERIFY),
             transport=read(env.TRANSPORT),

@@ -365,6 +365,12 @@ class MetaStore:
         return None if got is None else int(got[1])
 
     @_translated
+    def poll_ready(self, gen: int, uuid: str) -> int | None:
+        """`pop_ready` without blocking: one LPOP, for a reader that spins before it blocks."""
+        got = self.client.lpop(self.keys.ready(gen, uuid))
+        return None if got is None else int(got)
+
+    @_translated
     def read_layout(self, gen: int, uuid: str, ref: str) -> bytes | None:
         return self.client.get(self.keys.layout(gen, uuid, ref))
 

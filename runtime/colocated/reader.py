@@ -94,6 +94,7 @@ class ReaderSettings:
     rank: int = 0
     step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
     heartbeat_ttl_s: float = 10.0
+    ready_spin_s: float = env.READY_SPIN_MS.default / 1e3  # poll for a step this long first (_spin_for_step)
     verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
     allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
     bench: ReaderBenchSwitches = field(default_factory=ReaderBenchSwitches)  # only benchmarks change these
@@ -107,6 +108,7 @@ class ReaderSettings:
             rank=rank,
             step_timeout_s=cfg.step_timeout_s,
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            ready_spin_s=cfg.ready_spin_ms / 1e3,
         )
 
 
@@ -189,6 +191,7 @@ class WeightReader:
         deadline = Deadline(self.settings.step_timeout_s if timeout_s is None else timeout_s)
         trainer: PeerWatch | None = None
         unreachable: str | None = None
+        spin = self.settings.ready_spin_s  # once per call, before the first blocking wait
         while True:
             try:
                 gen = self._follow_gen()
@@ -199,7 +202,10 @@ class WeightReader:
                     reason = self.store.abort_reason(gen, None)
                     if reason is not None:
                         raise StepAborted(f"generation {gen} aborted: {reason}")
-                    step = self.store.pop_ready(gen, self.uuid, deadline.slice())
+                    step = self._spin_for_step(gen, min(spin, deadline.remaining()))
+                    spin = 0.0
+                    if step is None:
+                        step = self.store.pop_ready(gen, self.uuid, deadline.slice())
                     unreachable = None
                     if step is not None:
                         report = self._try_step(gen, step)
@@ -222,6 +228,18 @@ class WeightReader:
                 if unreachable is not None:
                     raise MetaStoreLost(f"waiting for a step: {unreachable}")
                 raise StepTimedOut(f"no step published for {self.uuid} within {deadline.seconds:.1f}s")
+
+    def _spin_for_step(self, gen: int, seconds: float) -> int | None:
+        """Poll this GPU's ready list for `seconds` before blocking on it: a blocked reader and an idle Redis
+        server wake on cold cores (bench/hop_bench.py), which a step published within the spin does not pay.
+        0: no poll at all (the blocking call takes a step already published as fast)."""
+        if seconds <= 0:
+            return None
+        until = time.perf_counter() + seconds
+        while True:
+            step = self.store.poll_ready(gen, self.uuid)
+            if step is not None or time.perf_counter() >= until:
+                return step
 
     def _trainer_watch(self, gen: int | None) -> PeerWatch:
         """One watch per incarnation, kept across calls: a trainer seen in an earlier call counts as seen."""

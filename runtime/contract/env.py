@@ -253,6 +253,15 @@ ACK_SPIN_MS = Var(
     "server wake on cold cores, which costs about 0.5 ms of a 5 ms step. 0: block at once (no spinning core)",
     _CONFIG,
 )
+READY_SPIN_MS = Var(
+    "COLOCATE_READY_SPIN_MS",
+    float,
+    20,
+    "a reader that finds no step published polls for one this long before it blocks (the trainer's ACK "
+    "spin, mirrored): a blocked reader wakes on a cold core. A reader called after the publish (SGLang's "
+    "loader) finds the step at once and never spins. 0: block at once",
+    _CONFIG,
+)
 KEY_TTL_SECONDS = Var(
     "COLOCATE_KEY_TTL_SECONDS",
     int,
@@ -509,6 +518,7 @@ POD = (
     SOCKET_DIR,
     HEARTBEAT_TTL_SECONDS,
     ACK_SPIN_MS,
+    READY_SPIN_MS,
     KEY_TTL_SECONDS,
     SHM_DIR,
     SGLANG_URL,

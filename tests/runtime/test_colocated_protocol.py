@@ -543,12 +543,17 @@ def ack_polls(store) -> int:  # type: ignore[no-untyped-def]
     return int(store.client.info("commandstats").get("cmdstat_lpop", {}).get("calls", 0))
 
 
+def command_calls(store, command: str) -> int:  # type: ignore[no-untyped-def]
+    return int(store.client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
 def test_the_writer_polls_for_the_ack_through_a_short_step_and_blocks_after(cfg: ColocateConfig) -> None:
     targets = model.targets()
     writer = new_writer(dataclasses.replace(cfg, ack_spin_ms=1000))
     assert writer.settings.ack_spin_s == 1.0
     try:
-        with ReaderThread(new_reader(cfg, targets)) as rt:
+        # The reader blocks at once: its own polls would count as the writer's.
+        with ReaderThread(new_reader(dataclasses.replace(cfg, ready_spin_ms=0), targets)) as rt:
             writer.store.client.config_resetstat()
             writer.update(1, model.weights(1))
             assert model.all_equal(model.weights(1), targets) == []
@@ -572,7 +577,7 @@ def test_a_spin_that_ends_before_the_ack_hands_over_to_the_blocking_wait(cfg: Co
         pending = writer.publish(1, model.weights(1))
 
         def apply_late() -> None:
-            reader = new_reader(cfg, targets)
+            reader = new_reader(dataclasses.replace(cfg, ready_spin_ms=0), targets)
             try:
                 reader.apply_next(timeout_s=5.0)
             finally:
@@ -593,3 +598,55 @@ def test_a_spin_that_ends_before_the_ack_hands_over_to_the_blocking_wait(cfg: Co
 def test_an_ack_spin_outside_its_bounds_is_refused(redis_server: RedisServer, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"COLOCATE_ACK_SPIN_MS=5000\.0: expected 0 to 1000"):
         shm_config(redis_server, tmp_path, COLOCATE_ACK_SPIN_MS="5000")
+    with pytest.raises(ValueError, match=r"COLOCATE_READY_SPIN_MS=-1\.0: expected 0 to 1000"):
+        shm_config(redis_server, tmp_path, COLOCATE_READY_SPIN_MS="-1")
+    assert shm_config(redis_server, tmp_path, COLOCATE_READY_SPIN_MS="0").ready_spin_ms == 0
+
+
+def test_a_waiting_reader_polls_for_a_step_published_within_its_spin(cfg: ColocateConfig) -> None:
+    """The reader is waiting before the publish (a reader loop, not SGLang's loader): its spin takes the
+    step with LPOPs and no blocking call; with no spin it blocks at once. The writer's ACK wait is set so
+    that its own calls cannot hide the reader's: it polls (LPOP) while the reader must not block, and blocks
+    (BLPOP) while the reader must not poll."""
+    targets = model.targets()
+    writer = new_writer(cfg)
+    reader = new_reader(dataclasses.replace(cfg, ready_spin_ms=1000), targets)
+    assert reader.settings.ready_spin_s == 1.0
+    try:
+        for step, spin_s in ((1, 1.0), (2, 0.0)):
+            reader.settings = dataclasses.replace(reader.settings, ready_spin_s=spin_s)
+            writer.settings = dataclasses.replace(writer.settings, ack_spin_s=spin_s)
+            writer.store.client.config_resetstat()
+            waiting = threading.Thread(target=reader.apply_next, kwargs={"timeout_s": 5.0})
+            waiting.start()
+            time.sleep(0.2)  # the reader is waiting (spinning, or blocked) before the step exists
+            writer.update(step, model.weights(step))
+            waiting.join(5.0)
+            assert not waiting.is_alive()
+            assert reader.last_applied is not None and reader.last_applied[1] == step
+            assert model.all_equal(model.weights(step), targets) == []
+            polls, blocks = command_calls(writer.store, "lpop"), command_calls(writer.store, "blpop")
+            if spin_s:
+                assert polls > 10 and blocks == 0, (polls, blocks)
+            else:
+                assert polls == 0 and blocks >= 2, (polls, blocks)
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_step_published_after_the_spin_is_taken_by_the_blocking_wait(cfg: ColocateConfig) -> None:
+    targets = model.targets()
+    writer = new_writer(dataclasses.replace(cfg, ack_spin_ms=1000))  # its ACK wait sends no BLPOP
+    reader = new_reader(dataclasses.replace(cfg, ready_spin_ms=50), targets)
+    try:
+        writer.store.client.config_resetstat()
+        late = threading.Timer(0.5, lambda: writer.update(1, model.weights(1)))
+        late.start()
+        report = reader.apply_next(timeout_s=5.0)
+        late.join()
+        assert report.step == 1 and model.all_equal(model.weights(1), targets) == []
+        assert command_calls(writer.store, "lpop") > 0 and command_calls(writer.store, "blpop") >= 1
+    finally:
+        reader.close()
+        writer.close()
