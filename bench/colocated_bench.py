@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import runtime_path  # noqa: F401  (maps colocate_runtime and colocate_devcluster onto this checkout)
+from call_trace import CallTrace, timeline
 
 from colocate_devcluster.localredis import RedisServer, redis_binary
 
@@ -130,6 +131,7 @@ def run_reader(args: argparse.Namespace) -> None:
     floor = None
     if args.device == "cuda":
         floor = copy_floor(targets)
+    trace = trace_reader(reader) if args.trace else None
     out = []
     spins = args.ready_spin_ms or [reader.settings.ready_spin_s * 1e3]
     for step in range(1, args.steps + 1):
@@ -138,7 +140,44 @@ def run_reader(args: argparse.Namespace) -> None:
         report = reader.apply_next(timeout_s=300)
         out.append({"step": report.step, "seconds": report.phase_seconds, "gc": report.gc_fallback})
     reader.close()
-    print(json.dumps({"reader": out, "d2d_floor_s": floor, "heap": len(heap)}), flush=True)
+    spans = trace.spans if trace is not None else []
+    print(json.dumps({"reader": out, "d2d_floor_s": floor, "heap": len(heap), "spans": spans}), flush=True)
+
+
+def trace_reader(reader) -> CallTrace:  # type: ignore[no-untyped-def]
+    """--trace: the reader's calls of a step, each timed (call_trace.py)."""
+    from colocate_runtime.colocated import reader as reader_module
+    from colocate_runtime.colocated.close import ImportScope
+    from colocate_runtime.colocated.reader_program import CopyProgram
+
+    trace = CallTrace()
+    for attr in ("current_gen", "abort_reason", "poll_ready", "pop_ready", "fetch_step", "write_ack"):
+        trace.wrap(reader.store, attr, f"reader {attr}")
+    trace.wrap(reader_module, "decode_manifest", "reader decode_manifest")
+    trace.wrap(reader._kept, "hold", "reader kept.hold")
+    trace.wrap(reader, "_program", "reader copy program")
+    trace.wrap(reader.importer, "open", "reader open")
+    trace.wrap(reader.importer, "synchronize", "reader synchronize")
+    trace.wrap(CopyProgram, "copy_bucket", "reader launch copy")
+    trace.wrap(ImportScope, "close", "reader close")
+    trace.wrap(reader, "_emit", "reader step events")
+    return trace
+
+
+def trace_writer(writer) -> CallTrace:  # type: ignore[no-untyped-def]
+    """--trace: the trainer's calls of a step, each timed (call_trace.py)."""
+    from colocate_runtime.colocated import writer as writer_module
+    from colocate_runtime.colocated.inplace import InPlaceLayout
+
+    trace = CallTrace()
+    trace.wrap(InPlaceLayout, "stage", "trainer stage (alias)")
+    trace.wrap(writer.exporter, "export", "trainer export")
+    trace.wrap(writer.exporter, "synchronize", "trainer synchronize")
+    trace.wrap(writer_module, "encode_manifest", "trainer encode manifest")
+    trace.wrap(writer.store, "publish_manifest", "trainer publish script")
+    trace.wrap(writer.store, "poll_ack", "trainer poll_ack")
+    trace.wrap(writer.store, "wait_ack", "trainer wait_ack")
+    return trace
 
 
 def copy_methods(args: argparse.Namespace) -> None:
@@ -372,6 +411,7 @@ def run_mode(
             args.reader_copy,
             *(["--serial-open"] if args.serial_open else []),
             *(["--ready-spin-ms", *map(str, args.ready_spin_ms)] if args.ready_spin_ms else []),
+            *(["--trace"] if args.trace else []),
         ],
         env={
             **os.environ,
@@ -400,6 +440,8 @@ def run_mode(
         weights = views
         layout = writer.in_place_layout([WholeTensor(n, t) for n, t in weights.items()], min_adopt_bytes=0)
     nbytes = sum(t.numel() * 2 for t in weights.values())
+    trace = trace_writer(writer) if args.trace else None
+    starts: list[float] = []
     writer_steps = []
     spins = args.ack_spin_ms or [writer.settings.ack_spin_s * 1e3]
     ready_spins = args.ready_spin_ms or [cfg.ready_spin_ms]
@@ -408,6 +450,7 @@ def run_mode(
             # Spin values alternate step by step: a paired comparison, immune to the machine's drift.
             spin_ms = spins[step % len(spins)]
             writer.settings = dataclasses.replace(writer.settings, ack_spin_s=spin_ms / 1e3)
+            starts.append(time.perf_counter())  # the trainer's step is done
             if layout is not None:
                 # in_place_kept: the reader keeps the buffer mapped across steps (colocated/kept.py)
                 pending = writer.publish_in_place(step, layout, keep_mapped=mode == "in_place_kept")
@@ -431,6 +474,9 @@ def run_mode(
         if reader.poll() is None:
             reader.kill()
     result = json.loads(stdout.strip().splitlines()[-1])
+    if trace is not None:
+        print(f"# calls of a {size_gb:g} GB {mode} step, both processes on one clock (bench/call_trace.py):")
+        print(timeline(starts, trace.spans + [tuple(s) for s in result["spans"]]), flush=True)
     return {"size_gb": size_gb, "mode": mode, "bytes": nbytes, "writer": writer_steps, **result}
 
 
@@ -560,6 +606,11 @@ def main() -> None:
         nargs="+",
         help="the reader's spin for the next step (COLOCATE_READY_SPIN_MS); several values alternate step by "
         "step (with --ack-spin-ms: use lists whose lengths pair every value with every other)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also time the runtime's calls in both processes and print where a step's time goes (slower)",
     )
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per method (--role copy)")
     p.add_argument("--json", default="", help="also write the raw results here")
