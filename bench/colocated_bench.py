@@ -302,23 +302,26 @@ def copy_methods(args: argparse.Namespace) -> None:
 
         methods["cudaMemcpyAsync per tensor (ctypes)"] = (raw, "dst")
     if fastcopy.available(dev):
-        for block, warps in ((16 << 10, 8), (64 << 10, 8), (8 << 10, 4)):
+        kib = 1 << 10
+        for tile, block, warps in (
+            (64 * kib, 64 * kib, 8),  # the reader's (fastcopy.py)
+            (128 * kib, 64 * kib, 8),
+            (256 * kib, 64 * kib, 8),
+            (512 * kib, 64 * kib, 8),
+            (128 * kib, 64 * kib, 16),
+            (256 * kib, 128 * kib, 16),
+            (64 * kib, 32 * kib, 4),
+        ):
             tables = []
             for bi, items in by_bucket.items():
-                tables.append(
-                    (
-                        bi,
-                        fastcopy.build(
-                            [(e.offset, t, e.nbytes) for e, t in items], dev, block=block, warps=warps
-                        ),
-                    )
-                )
+                copies = [(e.offset, t, e.nbytes) for e, t in items]
+                tables.append((bi, fastcopy.build(copies, dev, block=block, warps=warps, tile=tile)))
 
             def tri(tables=tables) -> None:  # type: ignore[no-untyped-def]
                 for bi, table in tables:
                     table.launch(buckets[bi])
 
-            methods[f"triton tiles, block {block >> 10}K, {warps} warps"] = (tri, "dst")
+            methods[f"triton tiles {tile >> 10}K, block {block >> 10}K, {warps} warps"] = (tri, "dst")
     # The device-only time of the per-tensor loop: the same copies replayed from a CUDA graph.
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()

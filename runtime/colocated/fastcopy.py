@@ -70,6 +70,7 @@ class TileTable:
     nbytes: int
     block: int = BLOCK_BYTES
     warps: int = WARPS
+    tile: int = TILE_BYTES
 
     def launch(self, bucket: torch.Tensor) -> None:
         """Enqueue the copies on the current stream. `bucket`: this step's flat uint8 mapping."""
@@ -82,7 +83,7 @@ class TileTable:
         kernel = _kernel_module()
         assert kernel is not None
         kernel.copy_tiles[(self.ntiles,)](
-            bucket, self.dst_base, self.tiles, TILE=TILE_BYTES, BLOCK=self.block, num_warps=self.warps
+            bucket, self.dst_base, self.tiles, TILE=self.tile, BLOCK=self.block, num_warps=self.warps
         )
 
 
@@ -92,8 +93,12 @@ def build(
     *,
     block: int = BLOCK_BYTES,
     warps: int = WARPS,
+    tile: int = TILE_BYTES,
 ) -> TileTable:
-    """`copies`: (byte offset in the bucket, destination, byte count), each `eligible`."""
+    """`copies`: (byte offset in the bucket, destination, byte count), each `eligible`. `tile`: bytes per
+    program, a multiple of `block`."""
+    if tile % block:
+        raise ValueError(f"tile {tile} is not a multiple of block {block}")
     if not copies:
         raise ValueError("no copies")
     base = copies[0][1]
@@ -104,12 +109,14 @@ def build(
         if not eligible(dst, nbytes, src_offset, device):
             raise ValueError(f"a copy of {nbytes} bytes at {src_offset} cannot go through the kernel")
         d = dst.data_ptr() - base_ptr
-        for start in range(0, nbytes, TILE_BYTES):
-            rows.append((src_offset + start, d + start, min(TILE_BYTES, nbytes - start)))
+        for start in range(0, nbytes, tile):
+            rows.append((src_offset + start, d + start, min(tile, nbytes - start)))
         total += nbytes
     tiles = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
     base_bytes = base.view(-1).view(torch.uint8)
-    return TileTable(tiles, base_bytes, tuple(dst for _, dst, _ in copies), len(rows), total, block, warps)
+    return TileTable(
+        tiles, base_bytes, tuple(dst for _, dst, _ in copies), len(rows), total, block, warps, tile
+    )
 
 
 def warm_up(device: torch.device) -> None:
