@@ -200,21 +200,27 @@ class Indexes:
         if list_rv is None:
             return
         with self._lock:
-            job = self._job((namespace, name))
-            listed: set[str] = set()
-            for pod in pods:
-                meta = pod.get("metadata") or {}
-                rv = version(meta.get("resourceVersion"))
-                listed.add(meta.get("uid", ""))
-                if rv is not None:
-                    controller = controller_uid(meta)
-                    facts = PodFacts(PodState.from_body(dict(pod), controller), controller, rv)
-                    self._put_pod(job, meta.get("uid", ""), facts)
-            for pod_uid in [u for u, p in job.pods.items() if u not in listed and p.version <= list_rv]:
-                del job.pods[pod_uid]
-            job.created.clear()
-            job.deleted.clear()
-            job.verified = self._clock()
+            self._listed(self._job((namespace, name)), pods, list_rv, our_writes_before=None)
+
+    # Read by the resync (resync.py), beside passes that may be writing: nothing here may claim a write of
+    # ours that the list could predate.
+
+    def listed_job(self, body: Mapping[str, Any]) -> None:
+        """A job from a namespace list: kept when newer; unlike `read_job` it does not vouch for our writes
+        (a pass may have written after the list's point in time), so a view older than one stays stale."""
+        with self._lock:
+            self._keep_newer(body)
+
+    def listed_pods(
+        self, namespace: str, name: str, pods: Iterable[Mapping[str, Any]], list_version: str | None
+    ) -> None:
+        """A job's worker pods from a namespace list at `list_version`: as `read_pods`, except that a create
+        or delete of ours newer than the list still waits for the watch to show it."""
+        list_rv = version(list_version)
+        if list_rv is None:
+            return
+        with self._lock:
+            self._listed(self._job((namespace, name)), pods, list_rv, our_writes_before=list_rv)
 
     def relisted_pods(
         self, in_scope: Callable[[str], bool], pods: Iterable[Mapping[str, Any]], list_version: str | None
@@ -251,6 +257,31 @@ class Indexes:
             return len(self._jobs)
 
     # Internals -----------------------------------------------------------------------------------------
+
+    def _listed(
+        self, job: _Job, pods: Iterable[Mapping[str, Any]], list_rv: int, *, our_writes_before: int | None
+    ) -> None:
+        """A full list of the job's pods at `list_rv` (the lock held): it replaces older entries and drops
+        those it no longer holds. `our_writes_before` None: our creates and deletes are all in it (the pass's
+        own list); else only those up to the list's version (a list made beside passes)."""
+        listed: set[str] = set()
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            rv = version(meta.get("resourceVersion"))
+            listed.add(meta.get("uid", ""))
+            if rv is not None:
+                controller = controller_uid(meta)
+                facts = PodFacts(PodState.from_body(dict(pod), controller), controller, rv)
+                self._put_pod(job, meta.get("uid", ""), facts)
+        for pod_uid in [u for u, p in job.pods.items() if u not in listed and p.version <= list_rv]:
+            del job.pods[pod_uid]
+        if our_writes_before is None:
+            job.created.clear()
+            job.deleted.clear()
+        else:
+            job.created = {pod: rv for pod, rv in job.created.items() if rv > our_writes_before}
+            job.deleted = {uid: rv for uid, rv in job.deleted.items() if rv > our_writes_before}
+        job.verified = self._clock()
 
     def _keep_newer(self, body: Mapping[str, Any]) -> _Job | None:
         """The job's entry, holding `body` when it is newer than what the entry held (the lock held).

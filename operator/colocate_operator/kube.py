@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 PARTIAL_METADATA = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+PARTIAL_METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 TIMEOUT = (5.0, 30.0)  # connect, read
 WATCH_SECONDS = 300  # a watch request's own end (the API server closes it; the watch goes on from there)
 # The first resourceVersion in an object's JSON is its own: the API server writes metadata before spec and
@@ -247,12 +248,31 @@ class Kube:
         return self.list_at(kind, namespace, label_selector)[0]
 
     def list_at(
-        self, kind: Kind, namespace: str | None, label_selector: str | None = None
+        self,
+        kind: Kind,
+        namespace: str | None,
+        label_selector: str | None = None,
+        *,
+        page: int | None = None,
+        metadata_only: bool = False,
     ) -> tuple[list[dict], str | None]:
-        """The items and the list's resourceVersion (the point in time they show)."""
-        query = [("labelSelector", label_selector)] if label_selector else []
-        payload = self._request("GET", kind.path(namespace), query=query)[1]
-        return list(payload.get("items") or []), (payload.get("metadata") or {}).get("resourceVersion")
+        """The items and the list's resourceVersion (the point in time they show). `page`: at most this many
+        items a response (the API server serves every page from the first page's point in time), so a
+        namespace of thousands of pods never arrives as one reply."""
+        base = [("labelSelector", label_selector)] if label_selector else []
+        if page is not None:
+            base.append(("limit", str(page)))
+        accept = PARTIAL_METADATA_LIST if metadata_only else JSON
+        items: list[dict] = []
+        token = ""
+        while True:
+            query = [*base, ("continue", token)] if token else base
+            payload = self._request("GET", kind.path(namespace), query=query, accept=accept)[1]
+            items += payload.get("items") or []
+            meta = payload.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                return items, meta.get("resourceVersion")
 
     def watch(
         self,

@@ -21,7 +21,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from colocate_operator import checkpoints, gang, gpus, kube, kube_events, metrics, names, workloads
+from colocate_operator import (
+    checkpoints,
+    gang,
+    gpus,
+    kube,
+    kube_events,
+    metrics,
+    names,
+    resync,
+    workloads,
+)
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import API_VERSION, COMPONENT_METASTORE, COMPONENT_WORKER, KIND, Phase
 from colocate_operator.decide import EventSpec, Plan, decide
@@ -123,8 +133,15 @@ class Reconciler:
         every job, and a finalizer blocks deleting a job while the operator is down.
         """
         while not stop.wait(interval):
-            for key in self.known_jobs():
-                self.enqueue(*key)
+            self.resync_once()
+
+    def resync_once(self) -> None:
+        """Refresh every known job's view with a few lists per namespace (resync.py), then queue them all."""
+        with self._jobs_lock:
+            jobs = dict(self._uids)
+        resync.refresh(self.api, self.indexes, self.known, jobs)
+        for key in jobs:
+            self.enqueue(*key)
 
     def reconcile(self, namespace: str, name: str) -> None:
         """One pass now, in the calling thread (workers call this; so do tests)."""

@@ -139,3 +139,38 @@ def test_pods_wait_for_the_pod_watch_to_list_once() -> None:
     assert indexes.pods("ns", "demo", JOB_UID) is None
     indexes.pods_listed = True
     assert indexes.pods("ns", "demo", JOB_UID) is not None
+
+
+def test_a_resync_list_never_vouches_for_a_write_of_ours_it_may_predate() -> None:
+    """The resync lists beside running passes: a create or status write answered after the list's point in
+    time stays unseen until the watch shows it, where a pass's own list (read_pods) vouches for all."""
+    indexes = ready()
+    indexes.saw_job(job(10))
+    indexes.saw_pod(pod("demo-0", 11))
+    indexes.created_pod("ns", "demo", "demo-1", "30")  # answered after the list below was made
+    indexes.wrote_status("ns", "demo", "31")
+    indexes.listed_pods("ns", "demo", [pod("demo-0", 11)], "20")
+    indexes.listed_job(job(20))
+    assert indexes.pods("ns", "demo", JOB_UID) is None, "demo-1 is newer than the list"
+    assert indexes.job("ns", "demo") is None, "our status write is newer than the listed job"
+    indexes.saw_pod(pod("demo-1", 30))
+    indexes.saw_job(job(31))
+    assert [p.name for p in indexes.pods("ns", "demo", JOB_UID) or ()] == ["demo-0", "demo-1"]
+    assert indexes.job("ns", "demo") is not None
+    indexes.created_pod("ns", "demo", "demo-2", "40")
+    indexes.read_pods("ns", "demo", [pod("demo-0", 11), pod("demo-1", 30)], "35")
+    assert indexes.pods("ns", "demo", JOB_UID) is not None, "a pass's own list holds every write before it"
+
+
+def test_a_resync_list_drops_a_pod_it_no_longer_holds_and_refreshes_the_view() -> None:
+    now = [0.0]
+    indexes = Indexes(max_age=120, clock=lambda: now[0])
+    indexes.ready = True
+    indexes.pods_listed = True
+    indexes.saw_job(job(10))
+    indexes.saw_pod(pod("demo-0", 11))
+    indexes.saw_pod(pod("demo-1", 12))
+    now[0] = 121
+    assert indexes.pods("ns", "demo", JOB_UID) is None, "older than the resync interval"
+    indexes.listed_pods("ns", "demo", [pod("demo-0", 11)], "50")  # demo-1 deleted while the watch was down
+    assert [p.name for p in indexes.pods("ns", "demo", JOB_UID) or ()] == ["demo-0"]

@@ -28,6 +28,7 @@ class FakeKube(kube.Kube):
         self.calls: list[tuple[str, str, str]] = []
         self.metadata_only: list[str] = []
         self.fail_create: dict[str, int] = {}  # kind plural -> HTTP status
+        self.fail_list: dict[str, int] = {}  # kind plural -> HTTP status
         self.conflict_next_status_write = False
         self.deleted: list[dict[str, Any]] = []  # DELETED events the watch has not delivered yet
         self._counter = itertools.count(1)
@@ -51,15 +52,22 @@ class FakeKube(kube.Kube):
             return None
         return {"metadata": copy.deepcopy(body["metadata"])} if metadata_only else copy.deepcopy(body)
 
-    def list_at(self, kind, namespace, label_selector=None):
+    def list_at(self, kind, namespace, label_selector=None, *, page=None, metadata_only=False):
         self.calls.append(("list", kind.plural, label_selector or ""))
-        wanted = dict(part.split("=") for part in label_selector.split(",")) if label_selector else {}
+        if kind.plural in self.fail_list:
+            raise kube.KubeError(self.fail_list[kind.plural], "ServiceUnavailable", "try again")
+        if metadata_only:
+            self.metadata_only.append(kind.plural)
+        parts = label_selector.split(",") if label_selector else []
+        wanted = dict(part.split("=") for part in parts if "=" in part)
+        present = [part for part in parts if "=" not in part]  # existence selectors
         items = [
-            copy.deepcopy(b)
+            {"metadata": copy.deepcopy(b["metadata"])} if metadata_only else copy.deepcopy(b)
             for (plural, ns, _), b in self.objects.items()
             if plural == kind.plural
             and ns == namespace
             and all(b["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
+            and all(k in b["metadata"].get("labels", {}) for k in present)
         ]
         return items, str(next(self._counter))
 
@@ -455,3 +463,73 @@ def test_a_status_conflict_is_decided_again_from_a_fresh_read(api: FakeKube, rec
     reconciler.reconcile("ns", "demo")
     assert ("get", "colocatejobs") in job_and_pod_reads(api)
     assert api.job()["status"]["restarts"] == 1
+
+
+def test_the_resync_reads_a_namespace_with_a_few_lists_and_its_passes_read_nothing_listed(
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
+) -> None:
+    api.put(kube.COLOCATE_JOBS, factories.body(name="other"))
+    api.deliver(reconciler.indexes)
+    for name in ("demo", "other"):
+        reconciler.reconcile("ns", name)
+    api.run_pods()
+    api.deliver(reconciler.indexes)
+    for name in ("demo", "other"):
+        reconciler.reconcile("ns", name)
+    api.deliver(reconciler.indexes)
+    known_clock[0] += 121
+    index_clock[0] += 121
+    api.calls.clear()
+    api.metadata_only.clear()
+    reconciler.resync_once()
+    lists = sorted(c[1] for c in api.calls if c[0] == "list")
+    assert lists == ["colocatejobs", "networkpolicies", "poddisruptionbudgets", "pods", "services"]
+    assert [c for c in api.calls if c[0] != "list"] == [], "lists only"
+    assert sorted(api.metadata_only) == [
+        "networkpolicies",
+        "poddisruptionbudgets",
+        "services",
+    ]
+    api.calls.clear()
+    for name in ("demo", "other"):
+        reconciler.reconcile("ns", name)
+    reads = sorted({c[:2] for c in api.calls if c[0] in ("get", "list")})
+    # Left to each pass: the meta-store's readiness, its Secret (never listed: least privilege) and the
+    # claim template of a job on DRA (only some jobs have one).
+    assert reads == [("get", "deployments"), ("get", "resourceclaimtemplates"), ("get", "secrets")]
+
+
+def test_a_child_deleted_behind_the_operators_back_is_recreated_after_the_resync_lists(
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
+) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    del api.objects[("services", "ns", "demo")]
+    del api.objects[("pods", "ns", "demo-1")]  # while the watch was down: no DELETED event
+    known_clock[0] += 121
+    index_clock[0] += 121
+    reconciler.resync_once()
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert ("get", "services", "demo") in api.calls, "not in the list: read by name"
+    assert ("services", "ns", "demo") in api.objects, "and created again"
+    assert api.job()["status"]["restarts"] == 1, "the pod the list no longer holds counts as lost"
+    assert ("list", "pods") not in {c[:2] for c in api.calls}, "the resync's list stands for the pass's"
+
+
+def test_a_failed_resync_list_leaves_the_reads_to_each_pass(
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
+) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    known_clock[0] += 121
+    index_clock[0] += 121
+    api.fail_list["pods"] = 503
+    reconciler.resync_once()  # logs and goes on
+    del api.fail_list["pods"]
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert ("list", "pods") in {c[:2] for c in api.calls}
+    assert ("get", "services", "demo") in api.calls
