@@ -204,10 +204,12 @@ class Kube:
         content_type: str = JSON,
         accept: str = JSON,
         decode: bool = True,
+        parse: Callable[[bytes], Any] = json.loads,
     ) -> tuple[int, Any]:
         """`decode=False`: a successful response's body is not parsed, only its resourceVersion is picked
         out (writes whose echo nobody reads: the created pod's JSON is most of what a pod creation costs this
-        process)."""
+        process). `parse`: how a successful body is parsed (podevents.decode_list keeps a pod's decision
+        fields only)."""
         headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -224,7 +226,7 @@ class Kube:
         if ok and not decode:
             found = _RESOURCE_VERSION.search(data) if data else None
             return response.status, found.group(1).decode() if found else None
-        payload = json.loads(data) if data else None
+        payload = (parse(data) if ok else json.loads(data)) if data else None
         if not ok:
             payload = payload if isinstance(payload, dict) else {}
             raise KubeError(
@@ -255,24 +257,44 @@ class Kube:
         *,
         page: int | None = None,
         metadata_only: bool = False,
+        parse: Callable[[bytes], Any] = json.loads,
     ) -> tuple[list[dict], str | None]:
-        """The items and the list's resourceVersion (the point in time they show). `page`: at most this many
-        items a response (the API server serves every page from the first page's point in time), so a
-        namespace of thousands of pods never arrives as one reply."""
+        """The items and the list's resourceVersion (the point in time they show); see `list_pages`."""
+        items: list[dict] = []
+        version = None
+        for got, at in self.list_pages(
+            kind, namespace, label_selector, page=page, metadata_only=metadata_only, parse=parse
+        ):
+            items += got
+            version = at
+        return items, version
+
+    def list_pages(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        label_selector: str | None = None,
+        *,
+        page: int | None = None,
+        metadata_only: bool = False,
+        parse: Callable[[bytes], Any] = json.loads,
+    ) -> Iterator[tuple[list[dict], str | None]]:
+        """A list one response at a time, each with the list's resourceVersion. `page`: at most this many
+        items a response (the API server serves every page from the first page's point in time), so a caller
+        that handles each page before the next holds one page, not a namespace of thousands of pods."""
         base = [("labelSelector", label_selector)] if label_selector else []
         if page is not None:
             base.append(("limit", str(page)))
         accept = PARTIAL_METADATA_LIST if metadata_only else JSON
-        items: list[dict] = []
         token = ""
         while True:
             query = [*base, ("continue", token)] if token else base
-            payload = self._request("GET", kind.path(namespace), query=query, accept=accept)[1]
-            items += payload.get("items") or []
+            payload = self._request("GET", kind.path(namespace), query=query, accept=accept, parse=parse)[1]
             meta = payload.get("metadata") or {}
+            yield list(payload.get("items") or []), meta.get("resourceVersion")
             token = meta.get("continue") or ""
             if not token:
-                return items, meta.get("resourceVersion")
+                return
 
     def watch(
         self,

@@ -95,7 +95,19 @@ class _Event(_Struct):
     object: _Pod | None = None
 
 
+class _ListMeta(_Struct):
+    resourceVersion: str | None = None
+    # Named in Python as the API spells it; `continue` is a keyword.
+    continue_: str | None = msgspec.field(default=None, name="continue")
+
+
+class _PodList(_Struct):
+    metadata: _ListMeta | None = None
+    items: list[_Pod] | None = None
+
+
 _DECODER = msgspec.json.Decoder(_Event)
+_LIST_DECODER = msgspec.json.Decoder(_PodList)
 
 
 def decode_event(line: bytes) -> dict[str, Any]:
@@ -106,3 +118,12 @@ def decode_event(line: bytes) -> dict[str, Any]:
         return msgspec.to_builtins(_DECODER.decode(line))
     except msgspec.DecodeError:
         return json.loads(line)
+
+
+def decode_list(body: bytes) -> dict[str, Any]:
+    """A worker-pod list response with each pod's decision fields only (a page of 500 full pods is megabytes
+    of JSON and many times that as Python objects); one that does not fit is decoded whole."""
+    try:
+        return msgspec.to_builtins(_LIST_DECODER.decode(body))  # field names as the API spells them
+    except msgspec.DecodeError:
+        return json.loads(body)

@@ -24,12 +24,13 @@ from urllib3.exceptions import HTTPError
 from colocate_operator import kube
 from colocate_operator.constants import COMPONENT_WORKER, LABEL_COMPONENT, LABEL_JOB
 from colocate_operator.indexes import Indexes
-from colocate_operator.podevents import decode_event
+from colocate_operator.podevents import decode_event, decode_list
 
 log = logging.getLogger("colocate_operator.podwatch")
 
 WORKER_SELECTOR = f"{LABEL_JOB},{LABEL_COMPONENT}={COMPONENT_WORKER}"
 MAX_BACKOFF_SECONDS = 30.0
+LIST_PAGE = 500  # pods a list response
 GLOB = set("*?!,")  # kopf's namespace patterns (see match_namespace below)
 
 
@@ -108,7 +109,11 @@ class PodWatch:
                 backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
 
     def _list(self, scope: str | None) -> str:
-        items, version = self.api.list_at(kube.PODS, scope, WORKER_SELECTOR)
+        # In pages, each pod reduced to its decision fields as it is parsed: at thousands of pods a whole
+        # list is hundreds of megabytes as Python objects.
+        items, version = self.api.list_at(
+            kube.PODS, scope, WORKER_SELECTOR, page=LIST_PAGE, parse=decode_list
+        )
         if version is None:
             raise ValueError("the pod list carries no resourceVersion")
         items = [p for p in items if self._in_scope((p.get("metadata") or {}).get("namespace", ""))]

@@ -5,8 +5,8 @@ known.py): after that it reads them again, which is what finds a child deleted b
 a deletion the watch missed. Done job by job, that is a GET of the job, a LIST of its pods and a GET of each
 Service, NetworkPolicy and PodDisruptionBudget: five requests a job every interval (at 1000 jobs, 40 a second
 for ever, and four more a job during a bring-up longer than the interval). Here the resync thread lists, per
-namespace, the jobs, their worker pods (in pages) and those three child kinds carrying a job label (metadata
-only), and hands them to the indexes and the known children as a pass's own reads would; the passes it then
+namespace, the jobs, their worker pods and those three child kinds carrying a job label (metadata only), all
+in pages, and hands them to the indexes and the known children as a pass's own reads would; the passes it then
 queues find their jobs fresh. A child the lists do not hold is not marked seen, so its job's pass reads it
 and re-creates it, as before. Secrets, Deployments and claim templates stay per job: the operator may not
 list Secrets (least privilege), and only some jobs have the others.
@@ -28,11 +28,15 @@ from colocate_operator import kube
 from colocate_operator.constants import COMPONENT_WORKER, LABEL_COMPONENT, LABEL_JOB
 from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
+from colocate_operator.podevents import decode_list
 
 log = logging.getLogger("colocate_operator.resync")
 
 JobKey = tuple[str, str]  # (namespace, name)
-POD_PAGE = 500  # pods a response: bounds what one reply holds in memory at thousands of pods
+# Items a response: bounds what one reply holds in memory (a job with its status is several KB of JSON).
+JOB_PAGE = 250
+POD_PAGE = 500
+CHILD_PAGE = 1000  # metadata only
 CHILD_KINDS = (
     (kube.SERVICES, "Service"),
     (kube.NETWORK_POLICIES, "NetworkPolicy"),
@@ -85,18 +89,28 @@ def refresh(api: kube.Kube, indexes: Indexes, known: KnownFacts, jobs: Mapping[J
 def _refresh_namespace(
     api: kube.Kube, indexes: Indexes, known: KnownFacts, namespace: str, uids: Mapping[str, str]
 ) -> int:
-    bodies, _ = api.list_at(kube.COLOCATE_JOBS, namespace)
-    for body in bodies:
-        indexes.listed_job(body)
+    requests = 0
+    # Page by page: the index keeps each job without managedFields, so no page outlives its handling.
+    for bodies, _ in api.list_pages(kube.COLOCATE_JOBS, namespace, page=JOB_PAGE):
+        requests += 1
+        for body in bodies:
+            indexes.listed_job(body)
     selector = f"{LABEL_JOB},{LABEL_COMPONENT}={COMPONENT_WORKER}"
-    pods, at = api.list_at(kube.PODS, namespace, selector, page=POD_PAGE)
+    pods: list[Mapping[str, Any]] = []
+    at = None
+    # Each pod reduced to its decision fields while it is parsed (podevents.py): 4000 whole pods are hundreds
+    # of megabytes as Python objects.
+    for page, version in api.list_pages(kube.PODS, namespace, selector, page=POD_PAGE, parse=decode_list):
+        requests += 1
+        pods += page
+        at = version
     grouped = pods_by_job(pods)
     for name in uids:
         indexes.listed_pods(namespace, name, grouped.get(name, []), at)
     wanted = set(uids.values())
     for kind, kind_name in CHILD_KINDS:
-        items, _ = api.list_at(kind, namespace, LABEL_JOB, metadata_only=True)
-        for uid, children in owned_children(items, kind_name, wanted).items():
-            known.saw_children(uid, children)
-    pages = max(1, -(-len(pods) // POD_PAGE))
-    return 1 + pages + len(CHILD_KINDS)
+        for items, _ in api.list_pages(kind, namespace, LABEL_JOB, page=CHILD_PAGE, metadata_only=True):
+            requests += 1
+            for uid, children in owned_children(items, kind_name, wanted).items():
+                known.saw_children(uid, children)
+    return requests

@@ -8,7 +8,7 @@ import json
 from colocate_operator import metastore, pods
 from colocate_operator.config import OperatorConfig
 from colocate_operator.observed import PodState
-from colocate_operator.podevents import decode_event
+from colocate_operator.podevents import decode_event, decode_list
 from tests.operator import factories
 
 CONFIG = OperatorConfig.from_env({"COLOCATE_EXTERNAL_METASTORE_ALLOW": "127.0.0.1/32"})
@@ -67,3 +67,15 @@ def test_bookmarks_errors_and_unexpected_shapes_still_decode() -> None:
     assert decode_event(error)["object"]["code"] == 410
     odd = {"type": "ADDED", "object": {"metadata": {"name": "p", "labels": {"a": 1}}}}
     assert decode_event(json.dumps(odd).encode()) == odd, "a label that is no string: decoded whole"
+
+
+def test_a_pod_list_decodes_each_pod_to_the_same_pod_state_and_keeps_its_page_token() -> None:
+    pod = watched_pod()
+    body = {"kind": "PodList", "metadata": {"resourceVersion": "77", "continue": "next"}, "items": [pod, pod]}
+    listed = decode_list(json.dumps(body).encode())
+    assert listed["metadata"] == {"resourceVersion": "77", "continue": "next"}
+    expected = PodState.from_body(pod, "job-uid")
+    assert [PodState.from_body(p, "job-uid") for p in listed["items"]] == [expected, expected]
+    assert "managedFields" not in listed["items"][0]["metadata"]
+    odd = {"metadata": {"resourceVersion": "5"}, "items": [{"metadata": {"name": "p", "labels": {"a": 1}}}]}
+    assert decode_list(json.dumps(odd).encode()) == odd, "a list that does not fit: decoded whole"

@@ -12,6 +12,7 @@ import pytest
 from colocate_devcluster import Cluster
 from colocate_operator import kube
 from colocate_operator.indexes import Indexes
+from colocate_operator.podevents import decode_list
 from colocate_operator.podwatch import PodWatch
 from tests.kube import wait_for
 
@@ -83,3 +84,22 @@ def test_the_watch_goes_on_across_the_end_of_each_watch_request(
         assert not [r for r in caplog.records if r.name == "colocate_operator.podwatch"], caplog.text
     finally:
         stop.set()
+
+
+def test_a_list_in_pages_holds_every_pod_at_one_point_in_time_reduced_to_its_decision_fields(
+    cluster: Cluster, namespace: str
+) -> None:
+    api = kube.Kube.from_environment()
+    for i in range(5):
+        api.create(kube.PODS, namespace, _pod(f"demo-{i}", "worker"))
+    pages = list(
+        api.list_pages(kube.PODS, namespace, "colocate.dev/component=worker", page=2, parse=decode_list)
+    )
+    assert [len(items) for items, _ in pages] == [2, 2, 1]
+    assert len({version for _, version in pages}) == 1, "every page from the first page's point in time"
+    names = sorted(p["metadata"]["name"] for items, _ in pages for p in items)
+    assert names == [f"demo-{i}" for i in range(5)]
+    first = pages[0][0][0]
+    assert "managedFields" not in first["metadata"] and "image" not in first["spec"]["containers"][0]
+    items, version = api.list_at(kube.SERVICES, namespace, "colocate.dev/job", page=1, metadata_only=True)
+    assert items == [] and version

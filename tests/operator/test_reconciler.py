@@ -52,7 +52,10 @@ class FakeKube(kube.Kube):
             return None
         return {"metadata": copy.deepcopy(body["metadata"])} if metadata_only else copy.deepcopy(body)
 
-    def list_at(self, kind, namespace, label_selector=None, *, page=None, metadata_only=False):
+    def list_pages(self, kind, namespace, label_selector=None, *, page=None, metadata_only=False, parse=None):
+        yield self.list_at(kind, namespace, label_selector, metadata_only=metadata_only)
+
+    def list_at(self, kind, namespace, label_selector=None, *, page=None, metadata_only=False, parse=None):
         self.calls.append(("list", kind.plural, label_selector or ""))
         if kind.plural in self.fail_list:
             raise kube.KubeError(self.fail_list[kind.plural], "ServiceUnavailable", "try again")
