@@ -34,7 +34,7 @@ log = logging.getLogger("colocate_operator.resync")
 
 JobKey = tuple[str, str]  # (namespace, name)
 # Items a response: bounds what one reply holds in memory (a job with its status is several KB of JSON).
-JOB_PAGE = 250
+JOB_PAGE = 100
 POD_PAGE = 500
 CHILD_PAGE = 1000  # metadata only
 CHILD_KINDS = (
@@ -90,11 +90,15 @@ def _refresh_namespace(
     api: kube.Kube, indexes: Indexes, known: KnownFacts, namespace: str, uids: Mapping[str, str]
 ) -> int:
     requests = 0
+    listed: set[str] = set()  # jobs the list holds under the uid this process knows
     # Page by page: the index keeps each job without managedFields, so no page outlives its handling.
     for bodies, _ in api.list_pages(kube.COLOCATE_JOBS, namespace, page=JOB_PAGE):
         requests += 1
         for body in bodies:
             indexes.listed_job(body)
+            meta = body.get("metadata") or {}
+            if uids.get(meta.get("name", "")) == meta.get("uid"):
+                listed.add(meta["name"])
     selector = f"{LABEL_JOB},{LABEL_COMPONENT}={COMPONENT_WORKER}"
     pods: list[Mapping[str, Any]] = []
     at = None
@@ -105,9 +109,11 @@ def _refresh_namespace(
         pods += page
         at = version
     grouped = pods_by_job(pods)
-    for name in uids:
+    # A job the list lacks (deleted, or deleted and created again, while the watch was down) is not
+    # refreshed: its view stays stale, so its pass reads it and finds it gone.
+    for name in listed:
         indexes.listed_pods(namespace, name, grouped.get(name, []), at)
-    wanted = set(uids.values())
+    wanted = {uids[name] for name in listed}
     for kind, kind_name in CHILD_KINDS:
         for items, _ in api.list_pages(kind, namespace, LABEL_JOB, page=CHILD_PAGE, metadata_only=True):
             requests += 1

@@ -536,3 +536,21 @@ def test_a_failed_resync_list_leaves_the_reads_to_each_pass(
     reconciler.reconcile("ns", "demo")
     assert ("list", "pods") in {c[:2] for c in api.calls}
     assert ("get", "services", "demo") in api.calls
+
+
+def test_a_job_deleted_while_the_watch_was_down_is_not_refreshed_by_the_resync(
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
+) -> None:
+    api.deliver(reconciler.indexes)
+    bring_up(api, reconciler)
+    api.deliver(reconciler.indexes)
+    del api.objects[("colocatejobs", "ns", "demo")]  # no DELETED event: the watch was down
+    known_clock[0] += 121
+    index_clock[0] += 121
+    reconciler.resync_once()
+    assert reconciler.indexes.job("ns", "demo") is None, "the list lacks it: still stale"
+    api.calls.clear()
+    reconciler.reconcile("ns", "demo")
+    assert ("get", "colocatejobs", "demo") in api.calls
+    assert reconciler.known_jobs() == [], "found gone and forgotten"
+    assert not [c for c in api.calls if c[0] == "create" and c[1] != "events"], "nothing created for it"
