@@ -502,16 +502,23 @@ def test_the_resync_reads_a_namespace_with_a_few_lists_and_its_passes_read_nothi
     assert reads == [("get", "deployments"), ("get", "resourceclaimtemplates"), ("get", "secrets")]
 
 
-def test_a_child_deleted_behind_the_operators_back_is_recreated_after_the_resync_lists(
+def running_then_stale(
     api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
 ) -> None:
+    """A running job the watch has shown, then the resync interval passes."""
     api.deliver(reconciler.indexes)
     bring_up(api, reconciler)
     api.deliver(reconciler.indexes)
-    del api.objects[("services", "ns", "demo")]
-    del api.objects[("pods", "ns", "demo-1")]  # while the watch was down: no DELETED event
     known_clock[0] += 121
     index_clock[0] += 121
+
+
+def test_a_child_deleted_behind_the_operators_back_is_recreated_after_the_resync_lists(
+    api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
+) -> None:
+    running_then_stale(api, reconciler, known_clock, index_clock)
+    del api.objects[("services", "ns", "demo")]
+    del api.objects[("pods", "ns", "demo-1")]  # while the watch was down: no DELETED event
     reconciler.resync_once()
     api.calls.clear()
     reconciler.reconcile("ns", "demo")
@@ -524,11 +531,7 @@ def test_a_child_deleted_behind_the_operators_back_is_recreated_after_the_resync
 def test_a_failed_resync_list_leaves_the_reads_to_each_pass(
     api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
 ) -> None:
-    api.deliver(reconciler.indexes)
-    bring_up(api, reconciler)
-    api.deliver(reconciler.indexes)
-    known_clock[0] += 121
-    index_clock[0] += 121
+    running_then_stale(api, reconciler, known_clock, index_clock)
     api.fail_list["pods"] = 503
     reconciler.resync_once()  # logs and goes on
     del api.fail_list["pods"]
@@ -541,12 +544,8 @@ def test_a_failed_resync_list_leaves_the_reads_to_each_pass(
 def test_a_job_deleted_while_the_watch_was_down_is_not_refreshed_by_the_resync(
     api: FakeKube, reconciler: Reconciler, known_clock: list[float], index_clock: list[float]
 ) -> None:
-    api.deliver(reconciler.indexes)
-    bring_up(api, reconciler)
-    api.deliver(reconciler.indexes)
+    running_then_stale(api, reconciler, known_clock, index_clock)
     del api.objects[("colocatejobs", "ns", "demo")]  # no DELETED event: the watch was down
-    known_clock[0] += 121
-    index_clock[0] += 121
     reconciler.resync_once()
     assert reconciler.indexes.job("ns", "demo") is None, "the list lacks it: still stale"
     api.calls.clear()
