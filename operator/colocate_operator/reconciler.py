@@ -139,7 +139,8 @@ class Reconciler:
         """Refresh every known job's view with a few lists per namespace (resync.py), then queue them all."""
         with self._jobs_lock:
             jobs = dict(self._uids)
-        resync.refresh(self.api, self.indexes, self.known, jobs)
+        sent = resync.refresh(self.api, self.indexes, self.known, jobs)
+        log.debug("resync: %d list requests for %d jobs", sent, len(jobs))
         for key in jobs:
             self.enqueue(*key)
 

@@ -25,10 +25,11 @@ from typing import Any
 from urllib3.exceptions import HTTPError
 
 from colocate_operator import kube
-from colocate_operator.constants import COMPONENT_WORKER, LABEL_COMPONENT, LABEL_JOB
+from colocate_operator.constants import LABEL_JOB
 from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
 from colocate_operator.podevents import decode_list
+from colocate_operator.podwatch import WORKER_SELECTOR
 
 log = logging.getLogger("colocate_operator.resync")
 
@@ -75,8 +76,8 @@ def pods_by_job(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str
 
 
 def refresh(api: kube.Kube, indexes: Indexes, known: KnownFacts, jobs: Mapping[JobKey, str]) -> int:
-    """Read every namespace's jobs, worker pods and listable children at once; returns the requests sent
-    (for tests and logs). A namespace whose lists fail is left to its jobs' own reads."""
+    """Read every namespace's jobs, worker pods and listable children at once; returns the requests sent.
+    A namespace whose lists fail is left to its jobs' own reads."""
     requests = 0
     for namespace, uids in by_namespace(jobs).items():
         try:
@@ -99,12 +100,12 @@ def _refresh_namespace(
             meta = body.get("metadata") or {}
             if uids.get(meta.get("name", "")) == meta.get("uid"):
                 listed.add(meta["name"])
-    selector = f"{LABEL_JOB},{LABEL_COMPONENT}={COMPONENT_WORKER}"
     pods: list[Mapping[str, Any]] = []
     at = None
     # Each pod reduced to its decision fields while it is parsed (podevents.py): 4000 whole pods are hundreds
     # of megabytes as Python objects.
-    for page, version in api.list_pages(kube.PODS, namespace, selector, page=POD_PAGE, parse=decode_list):
+    worker_pages = api.list_pages(kube.PODS, namespace, WORKER_SELECTOR, page=POD_PAGE, parse=decode_list)
+    for page, version in worker_pages:
         requests += 1
         pods += page
         at = version
