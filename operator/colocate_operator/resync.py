@@ -29,14 +29,13 @@ from colocate_operator.constants import LABEL_JOB
 from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
 from colocate_operator.podevents import decode_list
-from colocate_operator.podwatch import WORKER_SELECTOR
+from colocate_operator.podwatch import LIST_PAGE, WORKER_SELECTOR
 
 log = logging.getLogger("colocate_operator.resync")
 
 JobKey = tuple[str, str]  # (namespace, name)
 # Items a response: bounds what one reply holds in memory (a job with its status is several KB of JSON).
 JOB_PAGE = 100
-POD_PAGE = 500
 CHILD_PAGE = 1000  # metadata only
 CHILD_KINDS = (
     (kube.SERVICES, "Service"),
@@ -104,7 +103,7 @@ def _refresh_namespace(
     at = None
     # Each pod reduced to its decision fields while it is parsed (podevents.py): 4000 whole pods are hundreds
     # of megabytes as Python objects.
-    worker_pages = api.list_pages(kube.PODS, namespace, WORKER_SELECTOR, page=POD_PAGE, parse=decode_list)
+    worker_pages = api.list_pages(kube.PODS, namespace, WORKER_SELECTOR, page=LIST_PAGE, parse=decode_list)
     for page, version in worker_pages:
         requests += 1
         pods += page

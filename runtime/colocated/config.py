@@ -78,8 +78,7 @@ class ColocateConfig:
             raise ConfigError("COLOCATE_BUCKET_MB must be positive")
         if self.step_timeout_s <= 0 or self.heartbeat_ttl_s <= 0 or self.key_ttl_s <= 0:
             raise ConfigError("timeouts and TTLs must be positive")
-        for spin in (env.ACK_SPIN_MS, env.READY_SPIN_MS):
-            value = getattr(self, spin.name.removeprefix("COLOCATE_").lower())
+        for spin, value in ((env.ACK_SPIN_MS, self.ack_spin_ms), (env.READY_SPIN_MS, self.ready_spin_ms)):
             if not 0 <= value <= 1000:
                 raise ConfigError(f"{spin.name}={value}: expected 0 to 1000")
         if self.key_ttl_s < self.step_timeout_s:
