@@ -338,7 +338,14 @@ def _measure(
             requests_per_job_per_step=counts.total / steps_total,
         )
     latencies = _latencies(workload, created, pods, ready_at)
-    raw = {"created": created, "ready": ready_at, "pods": [asdict(p) for p in pods], "t0": tl.t0}
+    raw = {
+        "created": created,
+        "ready": ready_at,
+        "pods": [asdict(p) for p in pods],
+        "t0": tl.t0,
+        # (time, operator CPU s, operator RSS bytes) every 0.5 s, through the step window
+        "operator_usage": sampler.samples,
+    }
     (operator.log_path.parent / f"{spec.label}-timeline.json").write_text(json.dumps(raw))
     jobs = max(1, spec.jobs)
     per_minute = 60.0 / spec.steady_seconds / jobs if spec.steady_seconds else 0.0
