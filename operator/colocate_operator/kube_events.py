@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +14,16 @@ from colocate_operator.constants import API_VERSION, KIND, OPERATOR_NAME
 
 log = logging.getLogger("colocate_operator.events")
 INSTANCE = socket.gethostname()
+
+
+def event_subject(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What an Event about the job names of it: enough to keep instead of the whole body."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body.get("kind", KIND),
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+    }
 
 
 def event_manifest(

@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -272,18 +272,27 @@ def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
 _SCHEMA_TEXT = str(SCHEMA_VERSION)
 
 
-def decode(fields: dict[Any, Any]) -> StepEvent:
-    """The event of one stream entry (keys and values may be bytes, as redis-py returns them).
+def decode(fields: Mapping[Any, Any] | Sequence[Any]) -> StepEvent:
+    """The event of one stream entry: a mapping of its fields, or their flat list `[key, value, ...]` as the
+    server sends it (the operator reads raw replies, without a dict per entry). Keys and values may be
+    bytes.
 
     Anything an entry can hold (bad bytes, oversized fields, huge or non-finite numbers) raises EventError
     with a bounded message, never another exception."""
     try:
-        if len(fields) > ENTRY_MAX_FIELDS:
-            raise EventError(f"entry has {len(fields)} fields, at most {ENTRY_MAX_FIELDS}")
+        flat = not isinstance(fields, Mapping)
+        count = len(fields) // 2 if flat else len(fields)
+        if count > ENTRY_MAX_FIELDS:
+            raise EventError(f"entry has {count} fields, at most {ENTRY_MAX_FIELDS}")
+        if flat and len(fields) % 2:
+            raise EventError(f"entry has a key without its value ({len(fields)} keys and values)")
+        pairs: Iterable[tuple[Any, Any]] = (
+            zip(fields[::2], fields[1::2], strict=True) if flat else fields.items()  # type: ignore[union-attr]
+        )
         # The operator decodes every entry of every job (8000 a second at 250 jobs reporting a step per
         # second): the loop is written out, not one helper call per key and value.
         f: dict[str, str] = {}
-        for k, v in fields.items():
+        for k, v in pairs:
             if len(k) > FIELD_MAX_BYTES or len(v) > FIELD_MAX_BYTES:
                 raise EventError(f"field {_short(k)!r} is longer than {FIELD_MAX_BYTES} bytes")
             f[k.decode() if type(k) is bytes else str(k)] = v.decode() if type(v) is bytes else str(v)

@@ -43,6 +43,39 @@ def test_hostile_entries_raise_one_short_event_error(case: str) -> None:
     assert len(str(caught.value)) < 400, "the message of a skipped entry is bounded"
 
 
+def _flat(fields: dict[object, object]) -> list[object]:
+    """An entry's fields as the server sends them in a raw XREAD reply."""
+    return [x for pair in fields.items() for x in pair]
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_entries_in_the_flat_form_raise_one_short_event_error(case: str) -> None:
+    with pytest.raises(ev.EventError) as caught:
+        ev.decode(_flat(HOSTILE[case]))
+    assert len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [b"v", b"1", b"role"],  # a key without its value
+        None,  # a deleted entry, as an XREAD reply shows it
+        42,
+        [[b"v"], [b"1"]],  # keys that are not strings
+    ],
+)
+def test_malformed_flat_entries_raise_an_event_error(fields: object) -> None:
+    with pytest.raises(ev.EventError):
+        ev.decode(fields)  # type: ignore[arg-type]
+
+
+def test_the_flat_form_decodes_as_the_mapping_does() -> None:
+    raw = {k.encode(): v.encode() for k, v in GOOD.items()}
+    assert ev.decode(_flat(raw)) == ev.decode(raw) == ev.decode(GOOD)
+    # A repeated key: the last value wins, as in a mapping built from the pairs.
+    assert ev.decode([*_flat(raw), b"gpu", b"GPU-b"]).gpu == "GPU-b"
+
+
 def test_the_encoder_output_stays_inside_the_bounds() -> None:
     event = ev.StepEvent(
         role="trainer",

@@ -1,0 +1,60 @@
+"""How much one multiplexed XREAD may bring: the operator's peak memory follows its largest reply."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from colocate_operator.stepwatch import (
+    READ_COUNT,
+    READ_COUNT_MIN,
+    READ_ENTRIES_MAX,
+    read_count,
+    stream_client,
+)
+from colocate_runtime.contract.events import StepEvent, decode, stream_key, xadd
+
+
+@pytest.mark.parametrize("streams", [1, 2, 19, 20, 21, 100, 250, 500, 1000, 1001, 5000])
+def test_a_reply_holds_at_most_the_entries_bound_or_the_floor_per_stream(streams: int) -> None:
+    count = read_count(streams)
+    assert READ_COUNT_MIN <= count <= READ_COUNT
+    assert count * streams <= max(READ_ENTRIES_MAX, READ_COUNT_MIN * streams)
+
+
+def test_a_few_jobs_read_a_full_count_and_many_share_the_bound() -> None:
+    assert read_count(1) == READ_COUNT
+    assert read_count(250) * 250 == READ_ENTRIES_MAX  # 8 a stream: a step of 32 GPUs in four replies
+    assert read_count(0) == READ_COUNT
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_raw_replies_decode_as_the_events_written_in_both_protocols(redis_server: Any, protocol: int) -> None:
+    """A real redis-server; RESP2 sends XREAD's streams as an array, RESP3 (redis-py 8's default) as a map."""
+    written = [
+        StepEvent(role="trainer", gen=1, step=s, phase="finished", result="ok", gpu=f"GPU-{g}", rank=g)
+        for s in (1, 2)
+        for g in range(3)
+    ]
+    keys = [stream_key("ns", f"job-{protocol}-{i}") for i in range(2)]
+    sync = redis_server.client()
+    for key in keys:
+        for event in written:
+            xadd(sync, key, event)
+
+    async def read() -> list[Any]:
+        client = stream_client(redis_server.addr, redis_server.password, protocol=protocol)
+        try:
+            return await client.xread({key: "0-0" for key in keys}, count=100)
+        finally:
+            await client.aclose()
+
+    reply = asyncio.run(read())
+    assert sorted(stream.decode() for stream, _ in reply) == sorted(keys)
+    for _, entries in reply:
+        assert all(isinstance(fields, list) for _, fields in entries), "no dict per entry"
+        read = [decode(fields) for _, fields in entries]
+        assert read == [dataclasses.replace(e, ts=r.ts) for e, r in zip(written, read, strict=True)]
