@@ -27,6 +27,7 @@ timed steps (after one warm-up); one JSON line per preset and mode goes to bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -251,6 +252,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     )
     writer = new_writer(ColocateConfig.from_env(env), device=device if device.type == "cuda" else None)
     steps = []
+    shares: list[tuple[object, ...]] = []  # per step: which export of each kept bucket it published
     try:
         t0 = time.perf_counter()
         pieces = tplan.bind(tensors)
@@ -270,16 +272,21 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             else:
                 t_convert = t0
                 pending = writer.publish_in_place(step, layout, keep_mapped=mode == "kept")
+            published = list(pending.buckets)
             report = writer.wait_and_free(pending)
             total = time.perf_counter() - t0
             steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
             ack = writer.store.read_ack(writer.gen, step, writer.uuid)  # outside the timed step
             kept = 0 if ack is None else len(ack.kept)
+            opened_kept = 0 if ack is None else len(set(ack.kept) & set(ack.opened or ()))
+            shares.append(tuple(_share(b.descriptor) for b in published if ack and b.index in ack.kept))
         stdout, _ = reader.communicate(timeout=1200)
     finally:
         writer.close()
         if reader.poll() is None:
             reader.kill()
+    # The last step's exports of kept buckets: a standing one (published again) is given back at the close.
+    last_shares = [_count(b.descriptor) for b in published if b.index in (ack.kept if ack else ())]
     if reader.returncode != 0:
         sys.exit(f"the reader process failed (exit {reader.returncode})")
     result = json.loads(stdout.strip().splitlines()[-1])
@@ -322,6 +329,11 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         "compile_s": compile_s,
         "handles": adopted,
         "kept": kept,  # buckets the reader still maps after the last step (kept mode)
+        # kept mode: steps that published the previous step's exports again (kept.py: read through the
+        # reader's anchor, nothing opened), and kept buckets the last step's reader opened itself
+        "republished": sum(1 for a, b in itertools.pairwise(shares) if a and a == b),
+        "opened_kept_last": opened_kept,
+        "kept_shares_after_close": last_shares,
         "ack_spin_ms": ColocateConfig.from_env(env).ack_spin_ms,
         "packed_gb": packed / 1e9,
         "pieces": len(pieces),
@@ -330,6 +342,21 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         "missing": missing[:5],
         "steps": args.steps,
     }
+
+
+def _share(descriptor: dict | None) -> tuple[object, ...]:
+    """Which export a descriptor names: torch gives every export its own reference counter."""
+    d = descriptor or {}
+    return (d.get("handle"), d.get("ref_counter_handle"), d.get("ref_counter_offset"), d.get("file"))
+
+
+def _count(descriptor: dict | None) -> int | None:
+    d = descriptor or {}
+    if "ref_counter_handle" not in d:
+        return None
+    from colocate_runtime.colocated.ipc import share_count
+
+    return share_count(d["ref_counter_handle"], d["ref_counter_offset"])
 
 
 def commit() -> str:

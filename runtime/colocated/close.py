@@ -49,6 +49,16 @@ class ImportScope:
         self._refs[index] = StorageWeakRef(flat.untyped_storage())
         self._opened.append(index)
 
+    def borrow(self, index: int, flat: torch.Tensor, *, opened: bool) -> None:
+        """A bucket read through a mapping that outlives the step (a kept anchor, kept.py): its tensor is
+        dropped at the close but never checked gone. `opened`: the anchor was opened for this step, which
+        the ACK must say (that share is the anchor's, not the trainer's to release)."""
+        if index in self._tensors or index in self._refs:
+            raise ValueError(f"bucket {index} is opened twice")
+        self._tensors[index] = flat
+        if opened:
+            self._opened.append(index)
+
     def bucket(self, index: int) -> torch.Tensor:
         return self._tensors[index]
 

@@ -12,17 +12,20 @@ worth a handle of their own (a plain parameter per allocation: thousands of hand
 
 Each step exports a fresh alias of each adopted storage (a DLPack view: its own storage object), so torch's
 IPC reference counting wraps the alias, never the trainer's parameter, and nothing accumulates on the
-parameter from step to step. The trainer must not write those parameters until the step's ACK: the
-optimizer step comes after `wait_and_free` returns (the protocol already holds the trainer there). A step
-that failed while its reader may still be copying (a timeout, parked) can see the trainer's next writes:
-such a step is never installed (SGLang keeps its weight version and stays paused; see sglang/rollout.py) and
-the next step rewrites every byte.
+parameter from step to step. With kept mappings (kept.py) an alias whose step's reader read it through its
+anchor, opening nothing, is published again by the next step as it is (`standing`), export and all.
+
+The trainer must not write those parameters until the step's ACK: the optimizer step comes after
+`wait_and_free` returns (the protocol already holds the trainer there). A step that failed while its reader
+may still be copying (a timeout, parked) can see the trainer's next writes: such a step is never installed
+(SGLang keeps its weight version and stays paused; see sglang/rollout.py) and the next step rewrites every
+byte.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,8 +84,11 @@ class InPlaceLayout:
         """An entry's data (for sampled checksums)."""
         return self.sources[name].data()
 
-    def stage(self, exporter: BucketExporter, tag: str) -> list[LocalBucket]:
-        """This step's buckets: a fresh alias of each adopted storage, then the packed ones, filled."""
+    def stage(
+        self, exporter: BucketExporter, tag: str, standing: Mapping[int, LocalBucket] | None = None
+    ) -> list[LocalBucket]:
+        """This step's buckets: an alias of each adopted storage (`standing`'s, already exported, where it
+        has one; else a fresh one), then the packed ones, filled."""
         for piece, ptr in self.anchors:
             view = piece.view()
             if view is None or view.data_ptr() != ptr:
@@ -93,7 +99,8 @@ class InPlaceLayout:
                 )
         # A capsule, not the tensor: `from_dlpack(tensor)` orders a stream handoff (an event each, about
         # 30 us on an H200) that one process on one stream does not need; the export's synchronize follows.
-        buckets = [LocalBucket(i, from_dlpack(to_dlpack(base))) for i, base in enumerate(self.adopted)]
+        reuse = standing or {}
+        buckets = [reuse.get(i) or _alias(i, base) for i, base in enumerate(self.adopted)]
         first = len(self.adopted)
         buckets += [exporter.allocate(s.index, s.nbytes, tag) for s in self.specs[first:]]
         try:
@@ -159,6 +166,10 @@ class InPlaceLayout:
         return InPlaceLayout(
             tuple(adopted), tuple(specs), tuple(entries), tuple(packed), sources, tuple(anchors)
         )
+
+
+def _alias(index: int, base: torch.Tensor) -> LocalBucket:
+    return LocalBucket(index, from_dlpack(to_dlpack(base)))
 
 
 def adoptable_by(exporter: BucketExporter) -> Callable[[torch.Tensor], bool]:

@@ -2,12 +2,13 @@
 trainer's own parameter storage, published in place every step from the same allocation (inplace.py).
 
 Opening a CUDA IPC handle maps the whole allocation (0.5-0.8 ms for 8 GB on an H200) and the close unmaps it
-again (most of the close's 0.3-0.4 ms). torch maps a handle once per process while any storage opened from
-it lives (the caching allocator's `getIpcDevPtr` cache), so one extra storage per kept handle, the anchor,
-lets every later step's open reuse the mapping. Each step still opens its own storage, and the step's
-verified close still drops it and checks it is gone (its share of that step's alias returns to zero); only
-the anchor holds one share of the alias it was opened from, which keeps that alias in the trainer's IPC
-limbo (it points at the parameters the trainer holds anyway).
+again (most of the close's 0.3-0.4 ms). The reader opens a kept bucket once, as its anchor, and reads every
+later step's bucket of the same allocation through that anchor: the step opens and closes nothing of it.
+
+Shares (torch's CUDA IPC reference counting): the step that opens an anchor hands that step's share to it,
+and its ACK lists the bucket as opened, so the trainer leaves that share alone; the anchor gives it back when
+it is dropped. A later step read through the anchor opens nothing, so its ACK does not list the bucket and
+the trainer takes back that step's share itself (`BucketExporter.release`) or publishes that export again.
 
 An anchor is dropped when a manifest no longer keeps its handle (the trainer's storage moved, or it stopped
 asking), when the trainer's generation changes, and when the reader closes. Until then the trainer's
@@ -18,6 +19,7 @@ publish with `keep_mapped` (writer.py).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -38,30 +40,75 @@ def kept_key(bucket: BucketRecord) -> bytes | None:
     return uuid.encode() + b"/" + (name if isinstance(name, bytes) else name.encode())
 
 
+def _anchor_key(bucket: BucketRecord) -> tuple[bytes, tuple[object, ...]] | None:
+    """An anchor serves a later bucket of the same allocation at the same place in it (one allocation of
+    the caching allocator can hold several storages: one handle, several offsets)."""
+    key = kept_key(bucket)
+    if key is None:
+        return None
+    d = bucket.descriptor
+    return key, (bucket.nbytes, d.get("storage_offset"), d.get("storage_nbytes"), d.get("nbytes"))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What `KeptMappings.hold` did for one step."""
+
+    indices: tuple[int, ...]  # the step's buckets now mapped through anchors (its ACK's `kept`)
+    tensors: dict[int, torch.Tensor]  # bucket index -> its anchor: the step copies from these
+    opened: tuple[int, ...]  # buckets whose anchor this step opened: their share is the anchor's now
+
+
+@dataclass
+class _Anchor:
+    flat: torch.Tensor
+    ref: StorageWeakRef
+
+
 class KeptMappings:
     """The reader's anchors, one per kept allocation."""
 
     def __init__(self, importer: BucketImporter) -> None:
         self.importer = importer
-        self._anchors: dict[bytes, tuple[torch.Tensor, StorageWeakRef]] = {}
+        self._anchors: dict[tuple[bytes, tuple[object, ...]], _Anchor] = {}
 
     def __len__(self) -> int:
         return len(self._anchors)
 
-    def hold(self, buckets: list[BucketRecord]) -> tuple[int, ...]:
-        """Keep exactly these buckets' allocations mapped: anchors of other allocations are dropped first,
-        then a missing one is opened. Returns the bucket indices now held. Call before the step opens them."""
-        keys = {b.index: kept_key(b) for b in buckets}
-        wanted = {k for k in keys.values() if k is not None}
-        for key in [k for k in self._anchors if k not in wanted]:
+    def hold(self, buckets: list[BucketRecord]) -> Held:
+        """Keep exactly these buckets mapped: anchors of other allocations, or of other places in theirs, are
+        dropped first, then a missing one is opened. Call before the step opens the rest."""
+        keys = {b.index: _anchor_key(b) for b in buckets}
+        for key in [k for k in self._anchors if k not in keys.values()]:
             self._drop(key)
-        for b in buckets:
-            key = keys[b.index]
-            if key is not None and key not in self._anchors:
-                flat = self.importer.open(b.descriptor, b.nbytes)
-                self._anchors[key] = (flat, StorageWeakRef(flat.untyped_storage()))
-                log.info("kept mapping: bucket %d (%d bytes) stays mapped across steps", b.index, b.nbytes)
-        return tuple(i for i, k in keys.items() if k is not None)
+        tensors: dict[int, torch.Tensor] = {}
+        opened: list[int] = []
+        try:
+            for b in buckets:
+                key = keys[b.index]
+                if key is None:
+                    continue
+                anchor = self._anchors.get(key)
+                if anchor is None:
+                    anchor = self._anchors[key] = self._open(b)
+                    opened.append(b.index)
+                tensors[b.index] = anchor.flat
+        except BaseException:
+            # The step fails before it reads anything: the anchors it opened close again (their shares go
+            # back now), so that its ACK need not name them.
+            tensors.clear()
+            anchor = None  # this frame stays in the traceback: it must not keep the last anchor alive
+            for index in opened:
+                key = keys[index]
+                assert key is not None
+                self._drop(key)
+            raise
+        return Held(tuple(tensors), tensors, tuple(opened))
+
+    def _open(self, bucket: BucketRecord) -> _Anchor:
+        flat = self.importer.open(bucket.descriptor, bucket.nbytes)
+        log.info("kept mapping: bucket %d (%d bytes) stays mapped across steps", bucket.index, bucket.nbytes)
+        return _Anchor(flat, StorageWeakRef(flat.untyped_storage()))
 
     def drop_all(self, why: str) -> None:
         if self._anchors:
@@ -69,9 +116,10 @@ class KeptMappings:
         for key in list(self._anchors):
             self._drop(key)
 
-    def _drop(self, key: bytes) -> None:
-        flat, ref = self._anchors.pop(key)
+    def _drop(self, key: tuple[bytes, tuple[object, ...]]) -> None:
+        anchor = self._anchors.pop(key)
         self.importer.synchronize()  # no copy still reads through it
-        del flat
+        ref = anchor.ref
+        del anchor
         if not ref.expired():  # nothing else takes views of an anchor: a leak here is a bug, say so
             log.warning("a kept mapping is still referenced after it was dropped; it closes when that goes")

@@ -343,9 +343,11 @@ class WeightReader:
             if reason is not None:
                 raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
             t0 = time.perf_counter()
-            # The kept allocations are mapped (or stay mapped) before the step opens its own storages, so
-            # those opens reuse the mapping; anchors the manifest no longer keeps are dropped here.
-            kept = self._kept.hold([b for b in manifest.buckets if b.index in manifest.kept])
+            # Kept buckets are read through their anchors (opened at the first step that kept them); anchors
+            # the manifest no longer keeps are dropped here. The step opens the other buckets itself.
+            held = self._kept.hold([b for b in manifest.buckets if b.index in manifest.kept])
+            for index, anchor in held.tensors.items():
+                scope.borrow(index, anchor, opened=index in held.opened)
             program = self._program(manifest)
             # Open each bucket once; with overlap_open a large bucket's copies are enqueued at once (the
             # device copies bucket i while the host opens bucket i+1); small buckets, whose copies would hide
@@ -354,9 +356,10 @@ class WeightReader:
             open_s = 0.0
             pending: list[int] = []
             for b in manifest.buckets:
-                o0 = time.perf_counter()
-                scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
-                open_s += time.perf_counter() - o0
+                if b.index not in held.tensors:
+                    o0 = time.perf_counter()
+                    scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
+                    open_s += time.perf_counter() - o0
                 if self.settings.bench.overlap_open and b.nbytes >= OVERLAP_MIN_BYTES:
                     program.copy_bucket(b.index, scope.bucket)
                 else:
@@ -406,7 +409,7 @@ class WeightReader:
             **self._signed(gen, step),
             opened=close.opened,
             held=self._held(),
-            kept=kept,
+            kept=held.indices,
         )
         t3 = time.perf_counter()
         self.last_applied = (gen, step)

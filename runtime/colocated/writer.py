@@ -141,6 +141,8 @@ class PendingStep:
     opened: frozenset[int] | None = None  # buckets that reader mapped (its ACK says); None: not known
     mapped: bool = False  # its ACK said the close failed: parked until it reports them released or is gone
     rejected: set[str] = field(default_factory=set)  # ACKs already refused (each reported once)
+    layout: InPlaceLayout | None = None  # the in-place layout it was staged from, when its buckets were kept
+    kept: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,17 @@ class _Staged:
     buckets: list[LocalBucket]
     data: Callable[[str], torch.Tensor]  # an entry's data, for sampled checksums
     kept: tuple[int, ...] = ()  # buckets the reader may keep mapped across steps (the trainer's own storage)
+    layout: InPlaceLayout | None = None  # the in-place layout, when kept
+
+
+@dataclass
+class _Standing:
+    """Exports of the trainer's own storage that the last step's reader read through its kept mapping
+    without opening them: still exported, their share still the trainer's, no reader mapping them. The next
+    step of the same layout publishes them again instead of a fresh alias and export each."""
+
+    layout: InPlaceLayout
+    buckets: dict[int, LocalBucket]
 
 
 class WeightWriter:
@@ -173,6 +186,7 @@ class WeightWriter:
         # Layouts repeat from step to step: the last plan (by its specs and cap) and its packed entries.
         self._plan: tuple[list[EntrySpec], int, BucketPlan] | None = None
         self._layout = LayoutEncoder()
+        self._standing: _Standing | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -180,6 +194,7 @@ class WeightWriter:
         """Begin a trainer incarnation (a new `gen`) and start heartbeating, then run the IPC preflight unless
         it is Off or `preflight=False` (the first `publish` runs it then). Returns the generation; raises
         PreflightFailed (Fail mode, or Wait mode past its deadline)."""
+        self._retire_standing()  # a reader drops its kept mappings when the generation changes
         self.gen = self.store.start_incarnation(self.uuid)
         self._run_id = self.store.server_run_id()
         gen = self.gen
@@ -246,6 +261,7 @@ class WeightWriter:
                 log.warning("could not leave the final record in %s: %s", path, e)
 
     def close(self) -> None:
+        self._retire_standing()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -285,6 +301,7 @@ class WeightWriter:
         """`again`: `step` is the last published step, published once more (`republish`)."""
         gen = self._gen()
         self._before_publish(step, again=again)
+        self._retire_standing()
         t0 = time.perf_counter()
         shards = shards or {}
         specs = []
@@ -335,9 +352,19 @@ class WeightWriter:
         gen = self._gen()
         self._before_publish(step, again=again)
         t0 = time.perf_counter()
-        buckets = layout.stage(self.exporter, f"g{gen}-s{step}")
+        standing = self._standing
+        self._standing = None  # its exports belong to this step now, whatever happens to it
+        if standing is not None and (not keep_mapped or standing.layout is not layout):
+            self._retire(standing)
+            standing = None
+        try:
+            buckets = layout.stage(self.exporter, f"g{gen}-s{step}", standing.buckets if standing else None)
+        except BaseException:
+            if standing is not None:
+                self._retire(standing)
+            raise
         kept = tuple(range(len(layout.adopted))) if keep_mapped else ()
-        staged = _Staged(layout.specs, layout.entries, buckets, layout.data, kept)
+        staged = _Staged(layout.specs, layout.entries, buckets, layout.data, kept, layout if kept else None)
         return self._announce(gen, step, weight_version, staged, t0)
 
     def _announce(
@@ -354,7 +381,8 @@ class WeightWriter:
                 values = checksum.tensor_checksums([staged.data(n) for n in names])
                 sums = dict(zip(names, values, strict=True))
             for b in buckets:
-                self.exporter.export(b)
+                if b.descriptor is None:  # a standing export is published as it is
+                    self.exporter.export(b)
             self.exporter.synchronize()
             t_pack = time.perf_counter()
             version = weight_version if weight_version is not None else str(step)
@@ -400,6 +428,8 @@ class WeightWriter:
             run_id,
             {"pack": t_pack - t0, "publish": t_pub - t_pack},
             published_at=t_pub,
+            layout=staged.layout,
+            kept=staged.kept,
         )
         self._emit(self._event(pending, "published", seconds=t_pub - t0))
         return pending
@@ -513,6 +543,8 @@ class WeightWriter:
                 ),
             )
         t0 = time.perf_counter()
+        if ack.status == "ok" and not ack.checksum_mismatches:
+            self._keep_standing(pending, ack)
         self._free(pending, self._unopened(pending))
         self._reap_parked(later=ack, step=step)
         pending.phase_seconds["free"] = time.perf_counter() - t0
@@ -682,6 +714,28 @@ class WeightWriter:
             self.exporter.release([b for b in pending.buckets if b.index in release])
             self.exporter.free(pending.buckets)
             pending.buckets = []
+
+    def _keep_standing(self, pending: PendingStep, ack: Ack) -> None:
+        """Set aside the step's exports of the trainer's own storage that its reader read through a kept
+        mapping without opening them (kept.py): nobody maps them, and the next step publishes them again."""
+        if pending.layout is None or pending.opened is None:
+            return
+        unopened = (set(pending.kept) & set(ack.kept)) - pending.opened
+        standing = {b.index: b for b in pending.buckets if b.index in unopened and b.descriptor is not None}
+        if standing:
+            pending.buckets = [b for b in pending.buckets if b.index not in standing]
+            self._standing = _Standing(pending.layout, standing)
+
+    def _retire_standing(self) -> None:
+        standing, self._standing = self._standing, None
+        if standing is not None:
+            self._retire(standing)
+
+    def _retire(self, standing: _Standing) -> None:
+        """No step will publish these exports again: give their share back and drop the aliases."""
+        buckets = list(standing.buckets.values())
+        self.exporter.release(buckets)
+        self.exporter.free(buckets)
 
     @staticmethod
     def _all(pending: PendingStep) -> frozenset[int]:

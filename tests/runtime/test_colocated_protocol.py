@@ -16,7 +16,7 @@ import torch
 from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.exchange_seam import ExchangeRequest
-from colocate_runtime.colocated.manifest import Ack, decode_manifest
+from colocate_runtime.colocated.manifest import Ack, Manifest, decode_manifest
 from colocate_runtime.colocated.metastore import CLAIM_READER, CLAIM_REVOKED, reader_identity, step_claim
 from colocate_runtime.colocated.outcome import (
     CoverageError,
@@ -536,6 +536,52 @@ def test_kept_buckets_stay_mapped_until_a_manifest_stops_keeping_them(
     finally:
         reader.close()
     assert not any(mapped(f) for f in files)  # the reader's close drops what it kept
+
+
+def test_a_later_step_of_a_kept_allocation_is_read_through_its_anchor_opening_nothing(
+    cfg: ColocateConfig, writer: WeightWriter
+) -> None:
+    """A kept bucket of a later step that lies where the anchor does (the trainer's storage published again)
+    is copied from the anchor: the step opens nothing of it, and its ACK says so, so that the trainer takes
+    that step's share back itself. Here the anchor's file is gone by step 2, so an open would fail."""
+    targets = model.targets()
+    reader = new_reader(cfg, targets)
+    store, gen, uuid = writer.store, writer.gen, writer.uuid
+
+    def claimed(step: int) -> Manifest:
+        fetched = store.fetch_step(gen, step, uuid, reader.claim_for(gen, step))
+        assert fetched is not None
+        return decode_manifest(fetched.manifest, expect_gen=gen, expect_step=step, expect_gpu=uuid)
+
+    try:
+        first = writer.publish(1, model.weights(1))
+        one = dataclasses.replace(claimed(1), kept=(0,))
+        reader.apply(one)
+        ack = store.read_ack(gen, 1, uuid)
+        assert ack.kept == (0,) and 0 in ack.opened, "the anchor took step 1's share"
+        writer.wait_and_free(first)
+        anchor_file = str(one.buckets[0].descriptor["file"])
+        assert anchor_file not in shm_files(cfg) and mapped(anchor_file)
+
+        second = writer.publish(2, model.weights(2))
+        two = claimed(2)
+        # Step 2's bucket 0 names the anchor's allocation, as the trainer's own storage would.
+        buckets = (
+            dataclasses.replace(two.buckets[0], descriptor=one.buckets[0].descriptor),
+            *two.buckets[1:],
+        )
+        reader.apply(dataclasses.replace(two, buckets=buckets, kept=(0,)))
+        ack = store.read_ack(gen, 2, uuid)
+        assert ack.kept == (0,) and 0 not in ack.opened and set(ack.opened) == {b.index for b in buckets[1:]}
+        writer.wait_and_free(second)
+        # Bucket 0's entries came through the anchor (step 1's bytes), the rest from step 2's own buckets.
+        in_anchor = {e.name for e in two.entries if e.bucket == 0}
+        assert in_anchor and set(model.SHAPES) - in_anchor
+        expected = {n: (model.weights(1) if n in in_anchor else model.weights(2))[n] for n in model.SHAPES}
+        assert model.all_equal(expected, targets) == []
+    finally:
+        reader.close()
+    assert not mapped(anchor_file)
 
 
 def ack_polls(store) -> int:  # type: ignore[no-untyped-def]

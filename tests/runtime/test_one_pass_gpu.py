@@ -38,6 +38,11 @@ def test_in_place_step_installs_the_reference_conversion_bit_for_bit() -> None:
     for mode in ("inplace", "kept"):
         assert by_mode[mode]["handles"] == 1 and by_mode[mode]["packed_gb"] == 0
     assert by_mode["kept"]["kept"] == 1 and by_mode["inplace"]["kept"] == 0
+    # Kept: step 1's export becomes the reader's anchor; step 2's is read through it, opening nothing, so
+    # step 3 publishes that export again (no alias, no export) and its reader opens nothing either.
+    assert by_mode["kept"]["republished"] == 1 and by_mode["kept"]["opened_kept_last"] == 0
+    assert by_mode["inplace"]["republished"] == 0
+    assert by_mode["kept"]["kept_shares_after_close"] == [0], "the close gives a standing export's share back"
     assert by_mode["separate"]["handles"] >= 1  # min-adopt 0: even single parameters are exported
 
 
