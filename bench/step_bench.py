@@ -281,12 +281,15 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             opened_kept = 0 if ack is None else len(set(ack.kept) & set(ack.opened or ()))
             shares.append(tuple(_share(b.descriptor) for b in published if ack and b.index in ack.kept))
         stdout, _ = reader.communicate(timeout=1200)
+        # The last step's exports of kept buckets: one read through the reader's anchor stays exported with
+        # its share (1) for the next step, and the writer's close gives that share back.
+        last_kept = [b.descriptor for b in published if ack is not None and b.index in ack.kept]
+        shares_before = [_count(d) for d in last_kept]
     finally:
         writer.close()
         if reader.poll() is None:
             reader.kill()
-    # The last step's exports of kept buckets: a standing one (published again) is given back at the close.
-    last_shares = [_count(b.descriptor) for b in published if b.index in (ack.kept if ack else ())]
+    shares_after = [_count(d) for d in last_kept]
     if reader.returncode != 0:
         sys.exit(f"the reader process failed (exit {reader.returncode})")
     result = json.loads(stdout.strip().splitlines()[-1])
@@ -333,7 +336,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         # reader's anchor, nothing opened), and kept buckets the last step's reader opened itself
         "republished": sum(1 for a, b in itertools.pairwise(shares) if a and a == b),
         "opened_kept_last": opened_kept,
-        "kept_shares_after_close": last_shares,
+        "kept_shares": [shares_before, shares_after],  # before and after the writer's close
         "ack_spin_ms": ColocateConfig.from_env(env).ack_spin_ms,
         "packed_gb": packed / 1e9,
         "pieces": len(pieces),

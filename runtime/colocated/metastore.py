@@ -57,6 +57,20 @@ if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then winner = re
 return {manifest, winner, redis.call('GET', KEYS[3]), redis.call('GET', KEYS[4])}
 """
 
+# A spinning reader's poll of its ready list (LPOP) that, when the step it takes is the one it expected
+# (ARGV[1]: the step after the last it applied), also fetches that step as _FETCH_STEP does (claim ARGV[2],
+# TTL ARGV[3]): the step costs one round trip less. {} = nothing ready; {step} = another step (not fetched).
+_POLL_STEP = """
+local step = redis.call('LPOP', KEYS[1])
+if not step then return {} end
+if step ~= ARGV[1] then return {step} end
+local manifest = redis.call('GET', KEYS[2])
+if not manifest then return {step} end
+local winner = ARGV[2]
+if not redis.call('SET', KEYS[3], ARGV[2], 'NX', 'PX', ARGV[3]) then winner = redis.call('GET', KEYS[3]) end
+return {step, manifest, winner, redis.call('GET', KEYS[4]), redis.call('GET', KEYS[5])}
+"""
+
 # The reader's ACK (NX), written only by the holder of the step's claim: the claim (KEYS[3]) is the ACK's
 # reader (ARGV[4]) and ends with the SHA-1 of the ACK's proof (ARGV[5]). Its token is pushed. A value already
 # there that the claimant did not write (forged, not JSON, or without the proof) is replaced, so a stray
@@ -199,6 +213,14 @@ class MalformedAck(MetaStoreError):
     """What sits under a step's ACK key (or its queue) does not decode as an ACK: no licence to free."""
 
 
+def _step_fetch(manifest: bytes, winner: bytes | str, aborts: Iterable[bytes | None]) -> StepFetch:
+    return StepFetch(
+        manifest=manifest,
+        winner=winner.decode() if isinstance(winner, bytes) else str(winner),
+        abort_reason=_abort_text(aborts),
+    )
+
+
 def _translated(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -236,6 +258,7 @@ class MetaStore:
         self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
         self._claim = client.register_script(_CLAIM)
         self._fetch_step = client.register_script(_FETCH_STEP)
+        self._poll_step = client.register_script(_POLL_STEP)
         self._write_ack = client.register_script(_WRITE_ACK)
         self._offer_preflight = client.register_script(_OFFER_PREFLIGHT)
 
@@ -371,6 +394,28 @@ class MetaStore:
         return None if got is None else int(got)
 
     @_translated
+    def poll_step(self, gen: int, uuid: str, expect: int, who: str) -> tuple[int, StepFetch | None] | None:
+        """`poll_ready`, and when the step it takes is `expect`, `fetch_step` of it with the claim `who` in
+        the same round trip. None: nothing ready; (step, None): a step to fetch (not `expect`, or its
+        manifest is gone: `fetch_step` says which)."""
+        reply = self._poll_step(
+            keys=[
+                self.keys.ready(gen, uuid),
+                self.keys.manifest(gen, expect, uuid),
+                self.keys.claim(gen, expect, uuid),
+                self.keys.gen_abort(gen),
+                self.keys.step_abort(gen, expect),
+            ],
+            args=[str(expect), who, self.key_ttl_ms],
+        )
+        if not reply:
+            return None
+        step = int(reply[0])
+        if len(reply) < 3:
+            return step, None
+        return step, _step_fetch(reply[1], reply[2], reply[3:5])
+
+    @_translated
     def read_layout(self, gen: int, uuid: str, ref: str) -> bytes | None:
         return self.client.get(self.keys.layout(gen, uuid, ref))
 
@@ -393,11 +438,7 @@ class MetaStore:
         )
         if manifest is None:
             return None
-        return StepFetch(
-            manifest=manifest,
-            winner=winner.decode() if isinstance(winner, bytes) else str(winner),
-            abort_reason=_abort_text([gen_abort, step_abort]),
-        )
+        return _step_fetch(manifest, winner, [gen_abort, step_abort])
 
     @_translated
     def manifest_exists(self, gen: int, step: int, uuid: str) -> bool:

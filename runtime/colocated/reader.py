@@ -45,6 +45,7 @@ from colocate_runtime.colocated.metastore import (
     MetaStore,
     MetaStoreError,
     MetaStoreUnavailable,
+    StepFetch,
     reader_identity,
     step_claim,
 )
@@ -202,13 +203,12 @@ class WeightReader:
                     reason = self.store.abort_reason(gen, None)
                     if reason is not None:
                         raise StepAborted(f"generation {gen} aborted: {reason}")
-                    step = self._spin_for_step(gen, min(spin, deadline.remaining()))
+                    polled = self._spin_for_step(gen, min(spin, deadline.remaining()))
                     spin = 0.0
-                    if step is None:
-                        step = self.store.pop_ready(gen, self.uuid, deadline.slice())
+                    step, fetched = polled or (self.store.pop_ready(gen, self.uuid, deadline.slice()), None)
                     unreachable = None
                     if step is not None:
-                        report = self._try_step(gen, step)
+                        report = self._try_step(gen, step, fetched)
                         if report is not None:
                             return report
                         continue
@@ -229,17 +229,24 @@ class WeightReader:
                     raise MetaStoreLost(f"waiting for a step: {unreachable}")
                 raise StepTimedOut(f"no step published for {self.uuid} within {deadline.seconds:.1f}s")
 
-    def _spin_for_step(self, gen: int, seconds: float) -> int | None:
+    def _spin_for_step(self, gen: int, seconds: float) -> tuple[int, StepFetch | None] | None:
         """Poll this GPU's ready list for `seconds` before blocking on it: a blocked reader and an idle Redis
         server wake on cold cores (bench/hop_bench.py), which a step published within the spin does not pay.
-        0: no poll at all (the blocking call takes a step already published as fast)."""
+        0: no poll at all (the blocking call takes a step already published as fast). A poll that takes the
+        step after the last applied one fetches and claims it too (one round trip less)."""
         if seconds <= 0:
             return None
+        expect = self.last_applied[1] + 1 if self.last_applied and self.last_applied[0] == gen else None
+        who = "" if expect is None else self.claim_for(gen, expect)
         until = time.perf_counter() + seconds
         while True:
-            step = self.store.poll_ready(gen, self.uuid)
-            if step is not None or time.perf_counter() >= until:
-                return step
+            if expect is None:
+                step = self.store.poll_ready(gen, self.uuid)
+                polled = None if step is None else (step, None)
+            else:
+                polled = self.store.poll_step(gen, self.uuid, expect, who)
+            if polled is not None or time.perf_counter() >= until:
+                return polled
 
     def _trainer_watch(self, gen: int | None) -> PeerWatch:
         """One watch per incarnation, kept across calls: a trainer seen in an earlier call counts as seen."""
@@ -261,7 +268,7 @@ class WeightReader:
             self.gen = current
         return self.gen
 
-    def _try_step(self, gen: int, step: int) -> StepReport | None:
+    def _try_step(self, gen: int, step: int, fetched: StepFetch | None = None) -> StepReport | None:
         if self.last_applied is not None and (gen, step) <= self.last_applied:
             # The same generation's steps only grow (the writer refuses otherwise): an applied step notified
             # again. Its trainer already holds the ACK; a manifest passed to apply() is refused instead.
@@ -270,12 +277,14 @@ class WeightReader:
         # No automatic collection between the notification and the ACK: with a serving process's heap one
         # costs 100+ ms. The forced close still collects explicitly when it must.
         with _automatic_gc_paused():
-            return self._fetch_and_apply(gen, step)
+            return self._fetch_and_apply(gen, step, fetched)
 
-    def _fetch_and_apply(self, gen: int, step: int) -> StepReport | None:
+    def _fetch_and_apply(self, gen: int, step: int, fetched: StepFetch | None = None) -> StepReport | None:
+        """`fetched`: the step as the spin's poll fetched (and claimed) it already."""
         t0 = time.perf_counter()
         # Manifest, claim and abort keys in one round trip (no claim when the manifest is gone).
-        fetched = self.store.fetch_step(gen, step, self.uuid, self.claim_for(gen, step))
+        if fetched is None:
+            fetched = self.store.fetch_step(gen, step, self.uuid, self.claim_for(gen, step))
         if fetched is None:
             log.warning("step %d of generation %d: manifest expired or lost, skipped", step, gen)
             return None

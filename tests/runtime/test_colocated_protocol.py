@@ -681,6 +681,37 @@ def test_a_waiting_reader_polls_for_a_step_published_within_its_spin(cfg: Coloca
         writer.close()
 
 
+def test_a_spinning_reader_fetches_the_step_it_expects_with_its_poll(cfg: ColocateConfig) -> None:
+    """The step after the last applied one is fetched and claimed by the poll that takes it (one round trip
+    less); any other step (the trainer skipped some) is fetched apart, as a blocking wait's step is."""
+    targets = model.targets()
+    writer = new_writer(cfg)
+    reader = new_reader(dataclasses.replace(cfg, ready_spin_ms=1000), targets)
+    fetches: list[int] = []
+    fetch_step = reader.store.fetch_step
+
+    def counted(gen: int, step: int, uuid: str, who: str):  # type: ignore[no-untyped-def]
+        fetches.append(step)
+        return fetch_step(gen, step, uuid, who)
+
+    reader.store.fetch_step = counted  # type: ignore[method-assign]
+    try:
+        for step in (1, 2, 3, 7, 8):
+            waiting = threading.Thread(target=reader.apply_next, kwargs={"timeout_s": 5.0})
+            waiting.start()
+            time.sleep(0.05)
+            writer.update(step, model.weights(step))
+            waiting.join(5.0)
+            assert not waiting.is_alive() and reader.last_applied == (writer.gen, step)
+            assert model.all_equal(model.weights(step), targets) == []
+        # Step 1: nothing applied yet; step 7: not the expected 4. Both fetched apart, the others by the poll.
+        assert fetches == [1, 7]
+        assert writer.store.claim_owner(writer.gen, 8, writer.uuid) == reader.claim_for(writer.gen, 8)
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_a_step_published_after_the_spin_is_taken_by_the_blocking_wait(cfg: ColocateConfig) -> None:
     targets = model.targets()
     writer = new_writer(dataclasses.replace(cfg, ack_spin_ms=1000))  # its ACK wait sends no BLPOP
