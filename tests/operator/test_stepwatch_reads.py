@@ -29,6 +29,7 @@ def test_a_few_jobs_read_a_full_count_and_many_share_the_bound() -> None:
     assert read_count(1) == READ_COUNT
     assert read_count(250) * 250 == READ_ENTRIES_MAX  # 8 a stream: a step of 32 GPUs in four replies
     assert read_count(0) == READ_COUNT
+    assert read_count(1000) == READ_COUNT_MIN  # a step of 32 GPUs in four replies at 1000 jobs too
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
