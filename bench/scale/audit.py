@@ -1,8 +1,9 @@
 """Counting an operator's API requests from the apiserver's audit log.
 
-The testbed's audit policy records only the operators' service accounts, once per request (stage
-ResponseComplete), so every line is one request that operator sent. A request belongs to a window by the
-time the apiserver received it (requestReceivedTimestamp).
+The testbed's audit policy records the operators' service accounts, once per request (stage
+ResponseComplete), so every line of theirs is one request that operator sent; and the controller-manager's
+writes of CONTROLLER_RESOURCES, which an operator's objects cause (`in_namespace`). A request belongs to a
+window by the time the apiserver received it (requestReceivedTimestamp).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+# Written only by the controller-manager here: a PodDisruptionBudget's status (its disruption controller),
+# a Service's EndpointSlices and Endpoints (as its pods come and go).
+CONTROLLER_RESOURCES = frozenset({"poddisruptionbudgets", "endpointslices", "endpoints"})
 
 
 @dataclass(frozen=True)
 class Request:
     received: float
     user: str
+    namespace: str
     verb: str
     resource: str
     subresource: str
@@ -49,6 +54,18 @@ class AuditLog:
     def window(self, user: str, start: float, end: float) -> list[Request]:
         return [r for r in self.requests if r.user == user and start <= r.received < end]
 
+    def in_namespace(self, namespace: str, start: float, end: float, users: set[str]) -> list[Request]:
+        """The controller-manager's writes in one run's namespace: CONTROLLER_RESOURCES by anyone not in
+        `users` (the operators)."""
+        return [
+            r
+            for r in self.requests
+            if r.namespace == namespace
+            and r.user not in users
+            and r.resource in CONTROLLER_RESOURCES
+            and start <= r.received < end
+        ]
+
 
 def _parse(event: dict[str, Any]) -> Request:
     ref = event.get("objectRef") or {}
@@ -56,6 +73,7 @@ def _parse(event: dict[str, Any]) -> Request:
     return Request(
         received=received,
         user=(event.get("user") or {}).get("username", ""),
+        namespace=ref.get("namespace", ""),
         verb=event.get("verb", ""),
         resource=ref.get("resource", ""),
         subresource=ref.get("subresource", ""),

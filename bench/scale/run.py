@@ -33,7 +33,7 @@ from bench.scale.operators import (
     usage,
 )
 from bench.scale.steps import Emitter
-from bench.scale.testbed import Testbed, say, username
+from bench.scale.testbed import OPERATOR_ACCOUNTS, Testbed, say, username
 from bench.scale.tracker import PodTimes, Tracker
 from bench.scale.workloads import GPUS_PER_POD, PODS_PER_JOB, WORKLOADS, Workload, job_name
 
@@ -312,6 +312,8 @@ def _measure(
     log.refresh()
     user = username(workload.kind)
     startup = audit.count(log.window(user, tl.t0, tl.done), workload.plural)
+    operators = {username(name) for name in OPERATOR_ACCOUNTS}
+    caused = audit.count(log.in_namespace(namespace, tl.t0, tl.done, operators), workload.plural)
     settle = audit.count(log.window(user, tl.done, tl.t1), workload.plural)
     steady = audit.count(log.window(user, tl.t1, tl.t2), workload.plural)
 
@@ -378,6 +380,10 @@ def _measure(
             "status_writes_settle_per_job": settle.status_writes / jobs,
             "status_writes_steady_per_job_per_minute": steady.status_writes * per_minute,
             "job_writes_startup_per_job": startup.job_writes / jobs,
+            # The controller-manager's writes that the operator's objects caused until up (PDB status,
+            # EndpointSlices): not the operator's requests, but the same apiserver's work.
+            "controller_writes_startup": caused.as_dict(),
+            "controller_writes_startup_per_job": caused.writes / jobs,
         },
         "operator_cpu_seconds": {
             "startup": ud.cpu_seconds - u0.cpu_seconds,

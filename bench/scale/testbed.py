@@ -44,13 +44,24 @@ def username(operator: str) -> str:
 
 
 def audit_policy() -> dict[str, Any]:
-    """Only the operators' requests, once each (when the response is complete), metadata only."""
+    """The operators' requests, once each (when the response is complete), metadata only; and the writes
+    the controller-manager makes because of their objects (audit.CONTROLLER_RESOURCES: a PodDisruptionBudget's
+    status, a Service's EndpointSlices), which only it writes here."""
     return {
         "apiVersion": "audit.k8s.io/v1",
         "kind": "Policy",
         "omitStages": ["RequestReceived", "ResponseStarted"],
         "rules": [
             {"level": "Metadata", "users": [username(op) for op in OPERATOR_ACCOUNTS]},
+            {
+                "level": "Metadata",
+                "verbs": ["create", "update", "patch", "delete"],
+                "resources": [
+                    {"group": "policy", "resources": ["poddisruptionbudgets/status"]},
+                    {"group": "discovery.k8s.io", "resources": ["endpointslices"]},
+                    {"group": "", "resources": ["endpoints"]},
+                ],
+            },
             {"level": "None"},
         ],
     }

@@ -54,12 +54,18 @@ def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
 def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> None:
     user = username("colocate")
 
-    def line(verb: str, resource: str, sub: str = "", code: int = 200, at: str = "00:00:01") -> str:
+    def line(
+        verb: str, resource: str, sub: str = "", code: int = 200, at: str = "00:00:01", who: str = user
+    ) -> str:
         return json.dumps(
             {
                 "verb": verb,
-                "user": {"username": user},
-                "objectRef": {"resource": resource, **({"subresource": sub} if sub else {})},
+                "user": {"username": who},
+                "objectRef": {
+                    "resource": resource,
+                    "namespace": "run-ns",
+                    **({"subresource": sub} if sub else {}),
+                },
                 "responseStatus": {"code": code},
                 "requestReceivedTimestamp": f"2026-01-01T{at}.500000Z",
             }
@@ -75,6 +81,9 @@ def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> Non
                 line("create", "pods"),
                 line("get", "services", code=404),
                 line("list", "pods", at="00:00:09"),
+                line("update", "poddisruptionbudgets", "status", who="admin"),
+                line("update", "endpointslices", who="admin"),
+                line("create", "poddisruptionbudgets"),  # the operator's own: counted as the operator's
             ]
         )
         + "\n"
@@ -83,7 +92,10 @@ def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> Non
     log.refresh()
     start = log.requests[0].received - 1
     counts = audit.count(log.window(user, start, start + 5), "colocatejobs")
-    assert (counts.total, counts.writes, counts.status_writes, counts.job_writes) == (5, 4, 1, 1)
+    assert (counts.total, counts.writes, counts.status_writes, counts.job_writes) == (6, 5, 1, 1)
+    caused = audit.count(log.in_namespace("run-ns", start, start + 5, {user}), "colocatejobs")
+    assert dict(caused.by_kind) == {"update poddisruptionbudgets/status": 1, "update endpointslices": 1}
+    assert log.in_namespace("other-ns", start, start + 5, {user}) == []
     assert dict(counts.errors) == {404: 1, 409: 1}
     assert log.window("someone-else", start, start + 100) == []
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
