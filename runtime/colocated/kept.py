@@ -54,9 +54,13 @@ def _anchor_key(bucket: BucketRecord) -> tuple[bytes, tuple[object, ...]] | None
 class Held:
     """What `KeptMappings.hold` did for one step."""
 
-    indices: tuple[int, ...]  # the step's buckets now mapped through anchors (its ACK's `kept`)
     tensors: dict[int, torch.Tensor]  # bucket index -> its anchor: the step copies from these
     opened: tuple[int, ...]  # buckets whose anchor this step opened: their share is the anchor's now
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The step's buckets now mapped through anchors (its ACK's `kept`)."""
+        return tuple(self.tensors)
 
 
 @dataclass
@@ -103,7 +107,7 @@ class KeptMappings:
                 assert key is not None
                 self._drop(key)
             raise
-        return Held(tuple(tensors), tensors, tuple(opened))
+        return Held(tensors, tuple(opened))
 
     def _open(self, bucket: BucketRecord) -> _Anchor:
         flat = self.importer.open(bucket.descriptor, bucket.nbytes)
