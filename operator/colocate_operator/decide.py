@@ -158,14 +158,17 @@ def decide(
         return _terminal(p, new, config)
 
     # Children that outlive pod groups: meta-store, claim template, headless Service. A name another object
-    # holds is not created (and not counted as ours): it becomes a condition instead.
+    # holds is not created (and not counted as ours): it becomes a condition instead. The budget guards a
+    # whole gang, so it is created once every pod of the group is ready (until then no eviction it could
+    # refuse would cost more than a bring-up, and the disruption controller would rewrite its status as each
+    # pod comes up); it then stays through group restarts.
     foreign = {f.key for f in observed.foreign}
     infra = [
         *metastore.managed_children(job, config, password),
         gpus.claim_template(job),
         pods.headless_service(job),
         pods.network_policy(job),
-        disruption.budget(job),
+        disruption.budget(job) if _ready_count(current) == p.n else None,
         _kueue_workload(p, restarts, store, config),
         *(gang.objects(job) if config.native_gang else ()),
     ]
@@ -583,8 +586,12 @@ def _group_failure(job: ColocateJob, current: list[PodState], group_created: boo
     return None
 
 
+def _ready_count(current: list[PodState]) -> int:
+    return sum(1 for pod in current if pod.ready and pod.phase == "Running")
+
+
 def _replica_status(p: _Pass, new: dict[str, Any], current: list[PodState]) -> None:
-    ready = sum(1 for pod in current if pod.ready and pod.phase == "Running")
+    ready = _ready_count(current)
     new["replicas"] = {
         "desired": p.n,
         "created": len(current),
@@ -645,7 +652,7 @@ def _metastore_condition(p: _Pass, store: metastore.MetaStoreEndpoint) -> bool:
 
 
 def _pods_condition(p: _Pass, current: list[PodState], override: Condition | None) -> bool:
-    ready = sum(1 for pod in current if pod.ready and pod.phase == "Running")
+    ready = _ready_count(current)
     if override is not None:
         p.updates.append(override)
     elif ready == p.n:

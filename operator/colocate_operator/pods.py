@@ -52,7 +52,11 @@ def port(job: ColocateJob, role: str) -> int:
 
 
 def headless_service(job: ColocateJob) -> dict[str, Any]:
-    """Stable DNS names <job>-<i>.<job>.<ns>.svc for rendezvous, published before pods are ready."""
+    """The stable DNS name <job>-0.<job>.<ns>.svc of the rendezvous, published before the pod is ready.
+
+    It selects pod 0 alone: the rendezvous is the only name anything dials (the other ranks reach each other
+    by the addresses they exchange through it), and every pod a headless Service selects costs the
+    controller-manager an EndpointSlice and an Endpoints write as it comes up, for each group restart."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -60,7 +64,7 @@ def headless_service(job: ColocateJob) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": names.selector(job.ref.name, COMPONENT_WORKER),
+            "selector": {**names.selector(job.ref.name, COMPONENT_WORKER), LABEL_REPLICA_INDEX: "0"},
             "ports": [
                 {
                     "name": PORT_NAMES[role],

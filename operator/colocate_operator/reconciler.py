@@ -259,7 +259,10 @@ class Reconciler:
             if key in known and key not in conflicts:
                 children.add(key)
                 continue
-            if new_job and key not in conflicts:
+            # The budget is wanted only once the gang is ready (decide.py): before the job last ran, it is not
+            # read (a 404 on every pass of a bring-up) but created without looking, as a new job's children.
+            unread = new_job or (kind_name == "PodDisruptionBudget" and status.get("phase") != Phase.RUNNING)
+            if unread and key not in conflicts:
                 continue
             # Metadata only: existence and owner are all we need, and a Secret's data never enters memory.
             meta = self.api.get(kind, ns, child, metadata_only=True)

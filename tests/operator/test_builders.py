@@ -283,6 +283,20 @@ def test_headless_service_publishes_not_ready_addresses() -> None:
     assert service["metadata"]["name"] == "demo"
 
 
+def test_headless_service_selects_the_rendezvous_pod_alone() -> None:
+    """Pod 0 is the only name dialled (COLOCATE_RENDEZVOUS_ADDR); its hostname and subdomain match."""
+    job = factories.job(numNodes=4)
+    selector = pods.headless_service(job)["spec"]["selector"]
+    matched = [
+        pod["metadata"]["name"]
+        for pod in (build_pod(job, index) for index in range(4))
+        if selector.items() <= pod["metadata"]["labels"].items()
+    ]
+    assert matched == ["demo-0"]
+    rendezvous = build_pod(job, 0)
+    assert (rendezvous["spec"]["hostname"], rendezvous["spec"]["subdomain"]) == ("demo-0", "demo")
+
+
 def test_metastore_password_only_in_the_secret() -> None:
     job = factories.job()
     password = "s3cr3t-Pa55word-for-the-test"

@@ -115,10 +115,9 @@ def test_fresh_job_creates_every_child_and_all_pods() -> None:
         "ResourceClaimTemplate",
         "Service",
         "NetworkPolicy",
-        "PodDisruptionBudget",
         "Pod",
         "Pod",
-    ]
+    ]  # no PodDisruptionBudget before the gang is ready
     assert created(plan, "Pod") == ["demo-0", "demo-1"]
     assert plan.status["phase"] == Phase.PENDING
     assert plan.status["groupCreated"] is False  # set only once the pods are seen
@@ -127,6 +126,23 @@ def test_fresh_job_creates_every_child_and_all_pods() -> None:
     assert cond(plan, Cond.META_STORE_READY)["reason"] == Reason.REDIS_STARTING
     assert cond(plan, Cond.PODS_READY)["reason"] == Reason.PODS_NOT_CREATED
     assert plan.requeue_after is not None and not plan.persist_first
+
+
+def test_the_budget_is_created_once_every_pod_of_the_group_is_ready() -> None:
+    without_budget = INFRA - {"PodDisruptionBudget/demo-workers"}
+    status = {"phase": Phase.PENDING, "groupCreated": True, "startTime": ts(-5)}
+    ready = running_observed()
+    one_pending = replace(ready, pods=(ready.pods[0], pod(1, phase="Pending")), children=without_budget)
+    one_unready = replace(ready, pods=(ready.pods[0], pod(1, ready=False)), children=without_budget)
+    for observed in (one_pending, one_unready, replace(ready, pods=ready.pods[:1], children=without_budget)):
+        assert created(run(status, observed), "PodDisruptionBudget") == []
+    whole = run(status, replace(ready, children=without_budget))
+    assert created(whole, "PodDisruptionBudget") == ["demo-workers"]
+    assert whole.status["phase"] == Phase.RUNNING
+    # Once it exists it stays, through a group restart whose pods are not ready yet (nothing deletes it).
+    restarting = replace(ready, pods=(pod(0, 1, phase="Pending"), pod(1, 1, phase="Pending")))
+    plan = run(running_status(restarts=1, groupCreated=False), restarting)
+    assert created(plan, "PodDisruptionBudget") == [] and plan.deletes == ()
 
 
 def test_all_pods_ready_marks_group_created_and_running() -> None:

@@ -185,6 +185,21 @@ def test_bring_up_and_idle_passes_write_nothing(api: FakeKube, reconciler: Recon
     assert [c for c in api.calls if c[0] in ("create", "delete", "patch")] == []
 
 
+def test_a_bring_up_neither_reads_nor_creates_the_budget_before_the_gang_is_ready(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    reconciler.reconcile("ns", "demo")
+    reconciler.reconcile("ns", "demo")  # pods created, not running: the job has status, no budget yet
+    budget_calls = [c for c in api.calls if c[1] == "poddisruptionbudgets"]
+    assert budget_calls == [], "no 404 read of a budget not wanted yet"
+    api.run_pods()
+    reconciler.reconcile("ns", "demo")
+    assert [c for c in api.calls if c[1] == "poddisruptionbudgets"] == [
+        ("create", "poddisruptionbudgets", "demo-workers")
+    ]
+    assert api.job()["status"]["phase"] == "Running"
+
+
 def test_secret_data_is_never_read(api: FakeKube, reconciler: Reconciler, known_clock: list[float]) -> None:
     bring_up(api, reconciler)
     known_clock[0] += 121  # the resync's pass reads every child again
