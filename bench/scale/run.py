@@ -60,6 +60,9 @@ class RunSpec:
         return f"{self.operator}-{self.jobs}-{self.repeat}"
 
 
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
     if not values:
@@ -183,6 +186,14 @@ def _step_phase(
     }
 
 
+def _parts_cpu(bed: Testbed) -> dict[str, float]:
+    """CPU seconds so far of each control-plane process and of this harness (its creates and tracker)."""
+    pids = {name: bed.pid_of(name) for name in CONTROL_PLANE}
+    found = {name: usage(pid).cpu_seconds for name, pid in pids.items() if pid}
+    own = psutil.Process().cpu_times()
+    return found | {"harness": own.user + own.system}
+
+
 def _busy(before: Any, after: Any) -> float:
     total = sum(after) - sum(before)
     idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
@@ -291,9 +302,11 @@ def _measure(
     try:
         time.sleep(2)  # watches established, operator idle
         u0, a0, m0 = usage(operator.pid), usage(apiserver), psutil.cpu_times()
+        parts0 = _parts_cpu(bed)
         created = _create_jobs(bed, workload, namespace, spec.jobs, tl)
         _wait_up(spec, tracker, operator, tl)
         ud, ad, md = usage(operator.pid), usage(apiserver), psutil.cpu_times()
+        parts = {name: cpu - parts0.get(name, 0.0) for name, cpu in _parts_cpu(bed).items()}
         load = os.getloadavg()[0]
         pods, ready_at = tracker.snapshot()
         time.sleep(spec.settle_seconds)
@@ -326,7 +339,9 @@ def _measure(
             f"  all {want} GPU pods Running after {(t_all_running or tl.done) - tl.t0:.1f} s, "
             f"all jobs up after {(t_all_ready or tl.done) - tl.t0:.1f} s"
         )
-    else:
+    cpu = {"operator": ud.cpu_seconds - u0.cpu_seconds, **parts}
+    say("  CPU s until up: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items()))
+    if not tl.complete:
         say(
             f"  NOT COMPLETE after {tl.done - tl.t0:.0f} s: {len(gpu_running)}/{want} GPU pods Running, "
             f"{len(ready_at)}/{spec.jobs} jobs up"
@@ -395,6 +410,9 @@ def _measure(
             "settle": a1.cpu_seconds - ad.cpu_seconds,
             "steady": a2.cpu_seconds - a1.cpu_seconds,
         },
+        # Until up, by process: the machine is saturated then, so whatever a run makes any part of the
+        # control plane (or the harness creating and tracking the jobs) do delays all of them.
+        "cpu_seconds_until_up": cpu,
         # The machine is shared: how busy it was while the jobs started (all cores, 1.0 = all busy).
         "machine": {"busy_fraction_startup": _busy(m0, md), "loadavg_1m_after_startup": load},
         "operator_rss_bytes": {
