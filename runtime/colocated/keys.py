@@ -11,6 +11,7 @@ differently).
 |---|---|---|---|
 | `{p}:gen:{uuid}` | counter | trainer (`INCR` at start) | current incarnation on that GPU |
 | `{p}:engine:{uuid}` | counter | SGLang side (`INCR` at start) | engine instance on that GPU (repush.py) |
+| `{p}:trainer:{uuid}` | JSON | trainer (`colocate_runtime.megatron`, at start) | convert/published.py |
 | `{p}:events` | stream | both sides | step events for the operator (contract/events.py) |
 | `{p}:hb:{role}:{uuid}` | string, TTL | each process (`trainer`, `reader`) | JSON: pid, host, state |
 | `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
@@ -58,6 +59,10 @@ class KeySchema:
 
     def engine(self, uuid: str) -> str:
         return f"{self.prefix}:engine:{uuid}"
+
+    def trainer_record(self, uuid: str) -> str:
+        """What the trainer rank on GPU `uuid` publishes (convert/published.py), for the SGLang loader."""
+        return f"{self.prefix}:trainer:{uuid}"
 
     def events(self) -> str:
         return stream_key(self.namespace, self.job)

@@ -324,6 +324,18 @@ class MetaStore:
         raw = self.client.get(self.keys.engine(uuid))
         return None if raw is None else int(raw)
 
+    # --- the trainer rank's record (convert/published.py) --------------------------------------------------
+
+    @_translated
+    def write_trainer_record(self, uuid: str, text: str) -> None:
+        """No TTL, like the generation counter: an engine restarted hours later still finds it."""
+        self.client.set(self.keys.trainer_record(uuid), text)
+
+    @_translated
+    def read_trainer_record(self, uuid: str) -> bytes | None:
+        raw = self.client.get(self.keys.trainer_record(uuid))
+        return None if raw is None else bytes(raw)
+
     @_translated
     def clear_step(self, gen: int, step: int, uuid: str) -> None:
         """Forget a step on GPU `uuid` so it can be published again (repush.py): its per-GPU keys and the
