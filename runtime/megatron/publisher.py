@@ -1,0 +1,308 @@
+"""One object for a megatron-core trainer: built from its model chunks, one call per step on every rank.
+
+    publisher = Publisher(model)            # every rank, after parallel_state and the DDP model exist
+    for step in range(1, steps + 1):
+        rollouts = generate(...)            # SGLang serves from the weights of the last step
+        publisher.before_training()         # pause SGLang and release its GPU memory
+        train_step(...)                     # forward, backward, optimizer.step()
+        publisher.update(step)              # publish, install, every rank agrees on the outcome
+    publisher.finish()                      # the operator's proof that training succeeded
+
+What it does for the trainer: reads Megatron's parallel state (TP, PP and virtual PP, EP, expert TP) and what
+the model shows about itself (padded vocabulary, MLA down projections split or duplicated) into our layout;
+binds the rank's parameters where they lie (the DDP buffers, distributed optimizer or not) so a step publishes
+without conversion or packing copies; writes the rank's record so the SGLang loader needs no user module
+(convert/published.py); forces the parameter all-gather that `overlap_param_gather` defers to the next
+forward pass; binds again when the parameters moved (an offload and reload); and, since one engine serves
+every trainer rank of a pod, lets only the pod's local rank 0 speak HTTP to it. Every phase ends with an
+agreement over a gloo group of its own (agree.py): a failure on any rank fails the step on every rank with
+the same message, naming the rank. A failed `update` leaves SGLang paused; call `update` again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.inplace import InPlaceLayout
+from colocate_runtime.colocated.outcome import StepReport
+from colocate_runtime.colocated.wiring import new_writer
+from colocate_runtime.colocated.writer import PendingStep, WeightWriter
+from colocate_runtime.convert.hf_config import dtype_name
+from colocate_runtime.convert.published import TrainerRecord
+from colocate_runtime.convert.registry import model_spec
+from colocate_runtime.convert.trainer import TrainerRankPlan, trainer_plan
+from colocate_runtime.megatron.agree import Agreement, RankFailed
+from colocate_runtime.megatron.hf_config import HFConfig, load_hf_config
+from colocate_runtime.megatron.parallel import (
+    layout_of,
+    named_tensors,
+    read_parallel_state,
+    unwrap,
+    vocab_divisor,
+)
+from colocate_runtime.sglang.client import SGLangClient
+from colocate_runtime.sglang.rollout import ColocatedRollout
+
+log = logging.getLogger(__name__)
+AGREE_MARGIN_S = 60.0  # a peer may reach a phase up to one step timeout after this rank, plus this
+
+
+class Publisher:
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        *,
+        hf_config: HFConfig | None = None,
+        environ: Mapping[str, str] | None = None,
+        keep_mapped: bool = False,
+        engine_ready_s: float = 600.0,
+    ) -> None:
+        """Collective: every trainer rank constructs it at once. `model` is the rank's model chunk, or its
+        list of chunks under a virtual pipeline, wrapped in DDP or not. `hf_config` defaults to
+        `COLOCATE_MODEL_CONFIG` (the folder SGLang's `--model-path` names, or its config.json).
+        `keep_mapped=True` lets SGLang keep the buffers mapped between steps (faster; only when the trainer
+        never frees or moves its parameters, i.e. no offloading)."""
+        environ = os.environ if environ is None else environ
+        self.cfg = ColocateConfig.from_env(environ)
+        self.chunks = list(model) if isinstance(model, Sequence) else [model]
+        self.keep_mapped = keep_mapped
+        self.agree = Agreement(self.cfg.step_timeout_s + AGREE_MARGIN_S)
+        self.local_rank = int(environ.get("LOCAL_RANK", "0"))
+        self.rollout: ColocatedRollout | None = None  # set on the rank that drives this pod's engine
+        self.writer: WeightWriter | None = None
+        self.plan = self._plan(hf_config, environ)
+        self._released = False
+        self.last_report: StepReport | None = None
+        self._start(environ, engine_ready_s)
+
+    # --- start --------------------------------------------------------------------------------------------
+
+    def _plan(self, hf_config: HFConfig | None, environ: Mapping[str, str]) -> TrainerRankPlan:
+        ref = hf_config if hf_config is not None else environ.get("COLOCATE_MODEL_CONFIG")
+        error: BaseException | None = None
+        plan = None
+        try:
+            if ref is None:
+                raise ValueError("no model config: pass hf_config= or set COLOCATE_MODEL_CONFIG")
+            spec = model_spec(load_hf_config(ref), dtype=self._param_dtype())
+            state = read_parallel_state(self.chunks)
+            tensors = [named_tensors(chunk) for chunk in self.chunks]
+            layout, rank = layout_of(spec, state, tensors, vocab_divisor(state, self.chunks))
+            plan = trainer_plan(spec, layout, rank)
+        except Exception as err:
+            error = err
+        self.agree.check("reading the trainer's layout", error)
+        assert plan is not None
+        return plan
+
+    def _param_dtype(self) -> str:
+        for p in unwrap(self.chunks[0]).parameters():
+            if p.is_floating_point():
+                return dtype_name(str(p.dtype))
+        raise ValueError("the model chunk has no floating-point parameter")
+
+    def _start(self, environ: Mapping[str, str], engine_ready_s: float) -> None:
+        """The engine first (its workers answer each writer's IPC preflight), then every rank's writer."""
+        error: BaseException | None = None
+        if self.local_rank == 0:
+            try:
+                client = SGLangClient(self.cfg.sglang_url, api_key=self.cfg.sglang_api_key)
+                client.wait_ready(engine_ready_s)
+                self.rollout = ColocatedRollout(client)
+                self.rollout.start()
+                self._check_engine_size(environ)
+            except Exception as err:
+                error = err
+        self.agree.check("starting the SGLang engine's colocated side", error)
+        try:
+            device = torch.cuda.current_device() if self.cfg.transport == "CudaIPC" else None
+            self.writer = new_writer(self.cfg, rank=self.local_rank, device=device)
+            record = TrainerRecord(
+                self.plan.layout, self.plan.rank, self.plan.spec.dtype, self.plan.spec.architecture
+            )
+            self.writer.store.write_trainer_record(self.writer.uuid, record.to_json())
+            self._bind()
+        except Exception as err:
+            error = err
+        self.agree.check("starting the colocated writer", error)
+        log.info(
+            "publisher: rank %d (%s) publishes %d canonical pieces",
+            self.agree.rank,
+            self.plan.rank,
+            len(self.plan.shards()),
+        )
+
+    def _check_engine_size(self, environ: Mapping[str, str]) -> None:
+        """One engine per pod, one TP worker per trainer rank of the pod (they share its GPUs)."""
+        assert self.rollout is not None
+        local = int(environ.get("LOCAL_WORLD_SIZE", environ.get("COLOCATE_GPUS_PER_NODE", "1")))
+        if self.rollout.tp_size != local:
+            raise ValueError(
+                f"SGLang runs --tp-size {self.rollout.tp_size}, the pod has {local} trainer ranks: the "
+                "colocated update needs one SGLang TP worker per trainer rank of the pod (same GPUs)"
+            )
+
+    def _bind(self) -> None:
+        assert self.writer is not None
+        tensors = [named_tensors(chunk) for chunk in self.chunks]
+        self.layout: InPlaceLayout = self.writer.in_place_layout(self.plan.bind(tensors))
+        self._where = self._addresses(tensors)
+
+    @staticmethod
+    def _addresses(tensors: Sequence[Mapping[str, torch.Tensor]]) -> dict[int, tuple[torch.Tensor, int]]:
+        """One tensor per distinct storage and that storage's address: an offload that frees and refills a
+        buffer (Megatron's offload_to_cpu resizes the storage) or swaps a parameter's data changes it."""
+        seen: dict[int, tuple[torch.Tensor, int]] = {}
+        for named in tensors:
+            for tensor in named.values():
+                if isinstance(tensor, torch.Tensor):
+                    ptr = tensor.untyped_storage().data_ptr()
+                    seen.setdefault(ptr, (tensor, ptr))
+        return seen
+
+    def _moved(self) -> bool:
+        return any(t.untyped_storage().data_ptr() != ptr for t, ptr in self._where.values())
+
+    # --- one step -----------------------------------------------------------------------------------------
+
+    def before_training(self) -> None:
+        """Collective: pause generation and release SGLang's GPU memory for training (once per step;
+        `update` does it if it was not done)."""
+        error: BaseException | None = None
+        if self.rollout is not None and not self._released:
+            try:
+                self.rollout.before_training()
+            except Exception as err:
+                error = err
+        self.agree.check("pausing and releasing SGLang", error)
+        self._released = True
+
+    def update(self, step: int, *, weight_version: str | None = None) -> StepReport:
+        """Collective: publish this rank's weights for `step`, have SGLang install them and continue
+        generation. Raises RankFailed on every rank if any rank (or the engine) failed; SGLang then stays
+        paused with its weights resumed, and calling `update` again retries the step."""
+        version = str(step) if weight_version is None else weight_version
+        self.before_training()
+        pending = self._publish(step, version)
+        settled: list[bool] = []
+        settle_error: RankFailed | None = None
+        http_error: BaseException | None = None
+        report: StepReport | None = None
+        if self.rollout is not None:
+            try:
+                report = self.rollout.install_weights(
+                    version, confirm=lambda: (settled.append(True), self._settle(step, pending))[1]
+                )
+            except Exception as err:
+                settle_error, http_error = self._driver_failure(err, step, pending, settled)
+        else:
+            try:
+                report = self._settle(step, pending)
+            except RankFailed as err:
+                settle_error = err
+        self.agree.check(f"finishing step {step} in SGLang", http_error)
+        if settle_error is not None:
+            raise settle_error
+        assert report is not None
+        self._released = False
+        self.last_report = report
+        return report
+
+    def _publish(self, step: int, version: str) -> PendingStep:
+        assert self.writer is not None
+        pending: PendingStep | None = None
+        error: BaseException | None = None
+        try:
+            self._sync_params()
+            if self._moved():
+                log.info("publisher: the parameters moved (offload and reload?); binding them again")
+                self._bind()
+            pending = self.writer.publish_in_place(
+                step, self.layout, weight_version=version, keep_mapped=self.keep_mapped
+            )
+        except Exception as err:
+            error = err
+        self._gens = self.agree.gather(None if pending is None else pending.gen)
+        try:
+            self.agree.check(f"publishing step {step}", error)
+        except RankFailed:
+            if pending is not None:  # free what this rank published: nobody will read it
+                self._abort([pending.gen], step, "another rank failed to publish")
+                self._settle_quietly(pending)
+            raise
+        assert pending is not None
+        return pending
+
+    def _sync_params(self) -> None:
+        """Under `overlap_param_gather` the optimizer's all-gather of updated parameters runs at the next
+        forward pass: until then the DDP buffers hold this rank's shard fresh and the rest stale."""
+        for chunk in self.chunks:
+            ddp = getattr(chunk, "ddp_config", None)
+            if ddp is not None and getattr(ddp, "overlap_param_gather", False):
+                chunk.start_param_sync(force_sync=True)
+
+    def _settle(self, step: int, pending: PendingStep, error: BaseException | None = None) -> StepReport:
+        """Collective: wait for this rank's reader to install and free the buckets; every rank learns all
+        outcomes."""
+        assert self.writer is not None
+        report = None
+        if error is None:
+            try:
+                report = self.writer.wait_and_free(pending)
+            except Exception as err:
+                error = err
+        else:
+            self._settle_quietly(pending)
+        self.agree.check(f"installing step {step}", error)
+        assert report is not None
+        return report
+
+    def _driver_failure(
+        self, err: BaseException, step: int, pending: PendingStep, settled: list[bool]
+    ) -> tuple[RankFailed | None, BaseException | None]:
+        """Sort the driver's failure: inside the agreement (already shared by every rank), before it (the
+        engine never ran the readers: abort every rank's step, then share it), or after it (HTTP)."""
+        cause = err.__cause__ if isinstance(err.__cause__, RankFailed) else err
+        if isinstance(cause, RankFailed):
+            return cause, None
+        if settled:
+            return None, err
+        self._abort([g for g in self._gens if isinstance(g, int)], step, f"SGLang failed: {err}")
+        try:
+            self._settle(step, pending, error=err)
+        except RankFailed as failed:
+            return failed, None
+        return None, err  # unreachable: an error was given
+
+    def _abort(self, gens: Sequence[int], step: int, reason: str) -> None:
+        assert self.writer is not None
+        for gen in set(gens):
+            try:
+                self.writer.store.abort(gen, step, reason, "trainer")
+            except Exception as err:  # the step then ends by its timeout
+                log.warning("publisher: could not abort step %d of generation %d: %s", step, gen, err)
+
+    def _settle_quietly(self, pending: PendingStep) -> None:
+        assert self.writer is not None
+        try:
+            self.writer.wait_and_free(pending)
+        except Exception as err:
+            log.info("publisher: step %d settled after a failure: %s", pending.step, err)
+
+    # --- end ----------------------------------------------------------------------------------------------
+
+    def finish(self, *, ok: bool = True, error: str = "") -> None:
+        """The final record (every rank): the operator reports success only after it. Then closes."""
+        if self.writer is not None:
+            self.writer.finish(ok=ok, error=error)
+        self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
