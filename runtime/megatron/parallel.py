@@ -104,7 +104,8 @@ def vocab_divisor(state: ParallelState, chunks: Sequence[torch.nn.Module], defau
 def named_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A chunk's parameters and buffers as the converter reads them: the Parameter objects themselves (a
     moved parameter stays visible to a bound layout), wrapper prefixes kept (the converter strips them)."""
-    return dict(chunk.state_dict(keep_vars=True))
+    state = chunk.state_dict(keep_vars=True)  # also holds `_extra_state` entries, which are not tensors
+    return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
 
 
 def layout_of(

@@ -41,6 +41,7 @@ from colocate_runtime.convert import (
     model_spec,
     trainer_plan,
 )
+from colocate_runtime.convert.published import TrainerRecord
 from tests.megatron_real.cases import CASES, DIVISOR, RELEASES, VOCAB, WORLD_SIZE, Case
 from tests.megatron_real.te_names import mla_down_split, to_te_names
 from tests.runtime.canonical_pieces import assemble, deliver_local, flat_bytes, sglang_arena
@@ -194,6 +195,28 @@ def test_split_mla_down_projection_refused_when_layout_says_duplicated(
     shown = re.escape(str(tuple(state[held].shape)))
     with pytest.raises(ShapeMismatchError, match=rf"{re.escape(held)}: expected local shape .* got {shown}"):
         trainer_plan(model_spec(case.hf), layout(case, mla_down_split=False), rank).convert(state)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_publisher_reads_each_rank_s_layout_from_megatron_itself(release_dumps: Path, case: Case) -> None:
+    """colocate_runtime.megatron reads parallel_state and the live model: its layout converts every rank as
+    the case's known layout does (MLA down projections: split, as Megatron's local spec builds them)."""
+    ranks = load(release_dumps, case)
+    records = [TrainerRecord.from_json(r["facade"]) for r in ranks]
+    for record, r in zip(records, ranks, strict=True):
+        assert record.rank == MegatronRank(**r["coords"])
+        assert (record.layout.tp, record.layout.ep, record.layout.expert_tp) == (
+            case.tp,
+            case.ep,
+            case.etp or case.tp,
+        )
+        assert record.layout.mla_down_split == ("kv_lora_rank" in case.hf and case.tp > 1)
+        assert record.layout.pipeline is None
+    states = [r["state"] for r in ranks]
+    expected = convert_all(case, ranks, states, layout(case, mla_down_split=case.tp > 1))
+    got = convert_all(case, ranks, states, records[0].layout)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
 
 
 def test_legacy_grouped_mlp_refused_naming_what_the_rank_holds(release_dumps: Path) -> None:

@@ -228,12 +228,30 @@ def run_case(case: Case, out: Path) -> None:
         logits = gather_from_tensor_model_parallel_region(model(ids, positions, mask))
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     record = {"state": state, "coords": coords, "ids": ids, "logits": logits, "te_spec": te_spec(case)}
+    record["facade"] = facade_record(case, model)
     record.update(ddp_layout(model))
     ps.destroy_model_parallel()
     if case.legacy_grouped:
         record["legacy_state"] = legacy_grouped_state(case)
     (out / case.name).mkdir(parents=True, exist_ok=True)
     torch.save(record, out / case.name / f"rank{dist.get_rank()}.pt")
+
+
+def facade_record(case: Case, model: torch.nn.Module) -> str:
+    """What colocate_runtime.megatron reads from this live rank (parallel_state and the model itself)."""
+    from colocate_runtime.convert.published import TrainerRecord
+    from colocate_runtime.convert.registry import model_spec
+    from colocate_runtime.megatron.parallel import (
+        layout_of,
+        named_tensors,
+        read_parallel_state,
+        vocab_divisor,
+    )
+
+    state = read_parallel_state([model])
+    spec = model_spec(case.hf)
+    layout, rank = layout_of(spec, state, [named_tensors(model)], vocab_divisor(state, [model]))
+    return TrainerRecord(layout, rank, spec.dtype, spec.architecture).to_json()
 
 
 def main(argv: list[str]) -> None:
