@@ -25,27 +25,30 @@ first update. Two ways start the responder at worker start, both idempotent:
 **Ranks.** The reader's rank is the worker's rank in SGLang's TP group (not the global rank, which counts
 pipeline stages too).
 
-When SGLang shards the model differently from the trainer, each TP worker also needs slices published on
-other GPUs: `set_exchange_resolver` gives the loader a `ReshardExchange` (colocated/exchange.py) over a
-process group of its own (`exchange_group()`: a failed exchange cannot poison SGLang's inference group).
-A wrapper module named in `--custom-weight-loader` sets both resolvers at import (SGLang imports it in each
-worker at the first update, before calling it), and re-exports `load_colocated_step`:
+**What is automatic.** `--custom-weight-loader colocate_runtime.sglang.loader.load_colocated_step
+colocate_runtime.sglang.loader.start_colocated` is all a job adds to SGLang's command line, with no module of
+its own: at the first update every TP worker builds its targets itself (auto.py), from the trainer record that
+the trainer facade (`colocate_runtime.megatron`) writes under this GPU's UUID at its start (the Megatron
+layout, the rank's coordinates, the dtype and the architecture it publishes), SGLang's own model config
+(`model.config`) and SGLang's own server arguments (TP, `--ep-size`, DP attention, `--enable-dp-lm-head`,
+`--moe-dense-tp-size`). The targets are views of SGLang's fused parameters (`inference_plan(...).read`),
+checked against the model. The workers then decide together (gathering every GPU's trainer shards and targets
+over `exchange_group()`): when each worker's targets lie inside what the trainer publishes on its own GPU,
+each reads only its GPU's buckets; otherwise (different TP sizes, Megatron's vocabulary padding to
+make_vocab_size_divisible_by x TP against SGLang's 64, pipeline stages) the slices held by other GPUs arrive
+through a `ReshardExchange` (colocated/exchange.py) over a process group of its own, so a failed exchange
+cannot poison SGLang's inference group. One log line per worker says which path and why. A failure on any
+worker (no record on its GPU, another architecture, a layout the converters cannot place) fails the step on
+every worker, naming it.
 
-    tp = sglang.srt.distributed.parallel_state.get_tp_group()
-    plan = inference_plan(spec, sglang_layout, tp.rank_in_group)
-    set_target_resolver(lambda model: {s.name: v for s, v in plan.read(dict(model.named_parameters()))})
-    ranks = range(tp.world_size)
-    held = (trainer_plan(spec, megatron, trainer_rank_on_gpu(r)).rank_shards(r) for r in ranks)
-    trainer = Layout.from_ranks(held)  # under r: the Megatron rank whose shard is published on r's GPU
-    inference = Layout.from_ranks(inference_plan(spec, sglang_layout, r).rank_shards(r) for r in ranks)
-    device = torch.device("cuda", torch.cuda.current_device())
-    set_exchange_resolver(
-        lambda model, cfg: reshard_exchange(cfg, trainer, inference, group=exchange_group(), device=device)
-    )
+Each update is one collective step: SGLang runs the loader on every TP worker at once, and the first one also
+creates the exchange group and (when needed) the exchange.
 
-Rank r of both layouts is the TP worker of group rank r: the trainer layout names, under r, the trainer shard
-published on that worker's GPU. The resolver runs on the first update, on every worker at once (creating the
-exchange is collective). Each update is then one collective step: SGLang runs the loader on every TP worker.
+Without any trainer record for the engine's GPUs, the targets are SGLang's parameters by name
+(`named_parameters`): for a trainer that publishes SGLang's own names and shapes. A trainer that publishes
+something else without the facade may still set `set_target_resolver` / `set_exchange_resolver` from a module
+it lists in `--custom-weight-loader` (imported in each worker before the first update); resolvers it sets
+win over the automatic wiring.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +70,7 @@ from colocate_runtime.colocated.wiring import connect, importer_for, new_reader,
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
+    from colocate_runtime.sglang.auto import AutoWiring
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +128,19 @@ def _sglang_tp_group() -> Any:
 
 def exchange_group() -> torch.distributed.ProcessGroup:
     """A process group of the worker's TP ranks for the cross-GPU exchange, created once, on first use, by
-    every worker at once (a collective over SGLang's whole world: one new group per TP group, in order)."""
+    every worker at once (a collective over SGLang's whole world: one new group per TP group, in order).
+    Outside SGLang (tests) with torch.distributed initialized: one group of the whole world."""
     global _exchange_group
     if _exchange_group is None:
         tp = _sglang_tp_group()
         if tp is None:
-            raise RuntimeError("exchange_group() runs inside an SGLang TP worker (no SGLang TP group here)")
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                raise RuntimeError(
+                    "exchange_group() runs inside an SGLang TP worker (no SGLang TP group here)"
+                )
+            world = torch.distributed.get_world_size()
+            _exchange_group = torch.distributed.new_group(ranks=list(range(world)))
+            return _exchange_group
         size, world = int(tp.world_size), torch.distributed.get_world_size()
         backend = torch.distributed.get_backend(tp.device_group)
         for first in range(0, world, size):
@@ -141,6 +153,13 @@ def exchange_group() -> torch.distributed.ProcessGroup:
                 f"SGLang's TP group {list(tp.ranks)} is not a contiguous block of {size} ranks"
             )
     return _exchange_group
+
+
+def _in_a_group() -> bool:
+    """Whether this worker has peers to decide with (an SGLang TP group, or torch.distributed in tests)."""
+    if _sglang_tp_group() is not None:
+        return True
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _cfg() -> ColocateConfig:
@@ -186,6 +205,7 @@ def _post_load(model: torch.nn.Module) -> Callable[[], None] | None:
 
 
 def reader_for(model: torch.nn.Module) -> WeightReader:
+    """This worker's reader, built at its first update (collectively, when it is wired automatically)."""
     try:
         register_engine()  # neither the plugin nor the init call ran in this process
     except Exception as err:
@@ -193,29 +213,66 @@ def reader_for(model: torch.nn.Module) -> WeightReader:
     with _lock:
         reader = _readers.get(id(model))
         if reader is None:
-            cfg = _cfg()
-            targets = (_resolver or named_parameters)(model)
-            device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
-            exchange = _exchange_resolver(model, cfg) if _exchange_resolver is not None else None
-            preflight = _responder is None  # late: start_preflight was not called at worker start
-            finalize = _post_load(model)
-            if exchange is None:
-                reader = new_reader(
-                    cfg, targets, rank=_tp_rank(), device=device, preflight=preflight, finalize=finalize
-                )
-            else:
-                reader = new_reader(
-                    cfg,
-                    targets,
-                    rank=exchange.rank,
-                    device=device,
-                    target_shards=exchange.target_shards(),
-                    exchange=exchange,
-                    preflight=preflight,
-                    finalize=finalize,
-                )
+            reader = _new_reader(model, _cfg())
             _readers[id(model)] = reader
         return reader
+
+
+def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
+    """User resolvers first; else the automatic wiring when a trainer record exists; else SGLang's own
+    parameters by name (the trainer publishes SGLang's names)."""
+    device = torch.cuda.current_device() if cfg.transport == "CudaIPC" else None
+    preflight = _responder is None  # late: start_preflight was not called at worker start
+    finalize = _post_load(model)
+    rank = _tp_rank()
+    if _resolver is None and _exchange_resolver is None:
+        wired = _automatic(model, cfg, rank, device)
+        if wired is not None:
+            reader = new_reader(
+                cfg,
+                wired.targets,
+                rank=rank,
+                device=device,
+                target_shards=wired.target_shards,
+                exchange=wired.exchange,
+                preflight=preflight,
+                finalize=finalize,
+            )
+            if wired.exchange is None:
+                # The local path copies what this GPU's trainer rank publishes; whole tensors it holds for
+                # no target here (experts of other EP ranks) are not an error.
+                reader.settings = replace(reader.settings, allow_extra_entries=True)
+            return reader
+    targets = (_resolver or named_parameters)(model)
+    exchange = _exchange_resolver(model, cfg) if _exchange_resolver is not None else None
+    if exchange is None:
+        return new_reader(cfg, targets, rank=rank, device=device, preflight=preflight, finalize=finalize)
+    return new_reader(
+        cfg,
+        targets,
+        rank=exchange.rank,
+        device=device,
+        target_shards=exchange.target_shards(),
+        exchange=exchange,
+        preflight=preflight,
+        finalize=finalize,
+    )
+
+
+def _automatic(
+    model: torch.nn.Module, cfg: ColocateConfig, rank: int, device: int | None
+) -> AutoWiring | None:
+    """Collective over the exchange group (auto.py): None when no GPU of this engine has a trainer record."""
+    from colocate_runtime.sglang.auto import Worker, automatic_wiring
+
+    group = exchange_group() if _in_a_group() else None
+    uuid = importer_for(cfg, rank=rank, device=device).device_uuid()
+    where = torch.device("cuda", device) if device is not None else None
+    store = connect(cfg)
+    try:
+        return automatic_wiring(model, cfg, store, Worker(rank, group, where, uuid))
+    finally:
+        store.close()
 
 
 def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
