@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +41,7 @@ from colocate_runtime.convert.published import TrainerRecord
 from colocate_runtime.convert.registry import model_spec
 from colocate_runtime.convert.trainer import TrainerRankPlan, trainer_plan
 from colocate_runtime.p2p.layout import Layout
-from colocate_runtime.shards import RankShards, TensorShard
+from colocate_runtime.shards import Box, RankShards, TensorShard
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
@@ -72,6 +72,7 @@ class EngineArgs:
     dp_lm_head: bool = False  # --enable-dp-lm-head
     moe_dense_tp: int | None = None  # --moe-dense-tp-size
     vocab_padding: int = SGLANG_VOCAB_PADDING
+    source: str = field(default="given", compare=False)  # where they were read (for the log line)
 
     def layout(self) -> SGLangLayout:
         """The `SGLangLayout` of these arguments; what the converters cannot place is refused by name."""
@@ -115,6 +116,7 @@ def engine_args_from_server_args(args: Any) -> EngineArgs:
         dp_lm_head=bool(getattr(args, "enable_dp_lm_head", False)),
         moe_dense_tp=getattr(args, "moe_dense_tp_size", None),
         vocab_padding=_vocab_padding(),
+        source="server_args.get_global_server_args()",
     )
 
 
@@ -131,6 +133,7 @@ def engine_args_from_parallel(parallel: Any) -> EngineArgs:
         dp_lm_head=bool(getattr(parallel, "enable_dp_lm_head", False)),
         moe_dense_tp=getattr(parallel, "moe_dense_tp_size", None),
         vocab_padding=_vocab_padding(),
+        source="runtime_context.get_parallel()",
     )
 
 
@@ -162,7 +165,7 @@ def read_engine_args(tp_size: int) -> EngineArgs:
         return engine_args_from_server_args(get_global_server_args())
     except (ImportError, AttributeError, RuntimeError, ValueError):  # 0.5.23 retired it (RuntimeError)
         pass
-    return EngineArgs(tp=tp_size)
+    return EngineArgs(tp=tp_size, source=f"no SGLang arguments here: a plain TP engine of {tp_size}")
 
 
 # --- the model and the record -------------------------------------------------------------------------------
@@ -208,6 +211,7 @@ class RankPlans:
 
     trainer: TrainerRankPlan
     inference: InferenceRankPlan
+    engine: EngineArgs
 
 
 def rank_plans(
@@ -224,6 +228,7 @@ def rank_plans(
     return RankPlans(
         trainer_plan(spec, record.layout, record.rank),
         inference_plan(spec, engine.layout(), tp_rank),
+        engine,
     )
 
 
@@ -239,7 +244,7 @@ def uncovered(trainer: Layout, inference: Layout) -> list[str]:
         for r, box in p.shards:
             source = held.get((r, p.name))
             if source is None:
-                out.append(f"worker {r}: {p.name} {box.to_json()} is not published on its GPU")
+                out.append(f"worker {r} needs {p.name}{_slices(box)}; it is not published on its GPU")
                 continue
             tbox, tparam = source
             if (tparam.global_shape, tparam.dtype) != (p.global_shape, p.dtype):
@@ -249,10 +254,15 @@ def uncovered(trainer: Layout, inference: Layout) -> list[str]:
                 )
             if not tbox.contains(box):
                 out.append(
-                    f"worker {r}: {p.name} needs {box.to_json()}, "
-                    f"its GPU's trainer rank holds {tbox.to_json()}"
+                    f"worker {r} needs {p.name}{_slices(box)}; the trainer rank on its GPU holds "
+                    f"{_slices(tbox)}"
                 )
     return out
+
+
+def _slices(box: Box) -> str:
+    """A box as the slices a user would write: [160:300, 0:64]."""
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.lengths, strict=True)) + "]"
 
 
 def allgather_json(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
@@ -378,7 +388,8 @@ def _wire(
     record = plans.trainer
     sides = (
         f"trainer Megatron tp={record.layout.tp} ep={record.layout.ep} etp={record.layout.expert_tp} "
-        f"vocab_divisor={record.layout.vocab_divisor}, SGLang {plans.inference.layout}"
+        f"vocab_divisor={record.layout.vocab_divisor}; SGLang {plans.inference.layout}, from "
+        f"{plans.engine.source}"
     )
     missing = uncovered(trainer, inference)
     if not missing:
