@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -297,13 +297,17 @@ class AutoWiring:
 
 @dataclass(frozen=True)
 class Worker:
-    """Where the wiring runs: the worker's rank in its TP group (= in `group`), the group (None: this process
-    alone), the device of its collectives and of the exchange (None: CPU), and its GPU's UUID."""
+    """Where the wiring runs: the worker's rank in its TP group (= in `group`); `group`, the TP workers the
+    decision is gathered over (None: this process alone); the device of the exchange (None: CPU); its GPU's
+    UUID; and `exchange_group`, which creates (collectively, only on the exchange path) the group the
+    exchange runs on. The decision needs a few small all-gathers once: on a CPU (gloo) group, so the local
+    path never initialises an NCCL communicator it would not use."""
 
     rank: int
     group: dist.ProcessGroup | None
     device: torch.device | None
     uuid: str
+    exchange_group: Callable[[], dist.ProcessGroup] | None = None
 
     @property
     def size(self) -> int:
@@ -396,7 +400,7 @@ def _wire(
         reason = f"every worker's targets are published on its own GPU ({sides})"
         log.info("colocated: automatic wiring, worker %d: local path: %s", worker.rank, reason)
         return AutoWiring(targets, shards, None, "local", reason)
-    if worker.group is None:
+    if worker.exchange_group is None:
         raise AutoWiringError(
             f"the targets need slices published on other GPUs ({missing[0]}), and the cross-GPU exchange "
             "needs SGLang's TP group, which this process does not have"
@@ -404,5 +408,6 @@ def _wire(
     more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
     reason = f"{len(missing)} target(s) need slices from other GPUs, e.g. {missing[0]}{more} ({sides})"
     log.info("colocated: automatic wiring, worker %d: exchange path: %s", worker.rank, reason)
-    exchange = reshard_exchange(cfg, trainer, inference, group=worker.group, device=worker.device)
+    group = worker.exchange_group()  # collective: every worker takes this branch
+    exchange = reshard_exchange(cfg, trainer, inference, group=group, device=worker.device)
     return AutoWiring(targets, exchange.target_shards(), exchange, "exchange", reason)

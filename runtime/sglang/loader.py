@@ -32,17 +32,17 @@ the trainer facade (`colocate_runtime.megatron`) writes under this GPU's UUID at
 layout, the rank's coordinates, the dtype and the architecture it publishes), SGLang's own model config
 (`model.config`) and SGLang's own server arguments (TP, `--ep-size`, DP attention, `--enable-dp-lm-head`,
 `--moe-dense-tp-size`). The targets are views of SGLang's fused parameters (`inference_plan(...).read`),
-checked against the model. The workers then decide together (gathering every GPU's trainer shards and targets
-over `exchange_group()`): when each worker's targets lie inside what the trainer publishes on its own GPU,
-each reads only its GPU's buckets; otherwise (different TP sizes, Megatron's vocabulary padding to
-make_vocab_size_divisible_by x TP against SGLang's 64, pipeline stages) the slices held by other GPUs arrive
-through a `ReshardExchange` (colocated/exchange.py) over a process group of its own, so a failed exchange
-cannot poison SGLang's inference group. One log line per worker says which path and why. A failure on any
-worker (no record on its GPU, another architecture, a layout the converters cannot place) fails the step on
-every worker, naming it.
+checked against the model. The workers then decide together (all-gathering every GPU's trainer shards and
+targets over the CPU group of SGLang's TP group): when each worker's targets lie inside what the trainer
+publishes on its own GPU, each reads only its GPU's buckets; otherwise (different TP sizes, Megatron's
+vocabulary padding to make_vocab_size_divisible_by x TP against SGLang's 64, pipeline stages) the slices held
+by other GPUs arrive through a `ReshardExchange` (colocated/exchange.py) over a process group of its own, so a
+failed exchange cannot poison SGLang's inference group. One log line per worker says which path and why. A
+failure on any worker (no record on its GPU, another architecture, a layout the converters cannot place) fails
+the step on every worker, naming it.
 
-Each update is one collective step: SGLang runs the loader on every TP worker at once, and the first one also
-creates the exchange group and (when needed) the exchange.
+Each update is one collective step: SGLang runs the loader on every TP worker at once; the first one also
+creates, on the exchange path, the exchange's own group (`exchange_group()`) and the exchange.
 
 Without any trainer record for the engine's GPUs, the targets are SGLang's parameters by name
 (`named_parameters`): for a trainer that publishes SGLang's own names and shapes. A trainer that publishes
@@ -155,11 +155,16 @@ def exchange_group() -> torch.distributed.ProcessGroup:
     return _exchange_group
 
 
-def _in_a_group() -> bool:
-    """Whether this worker has peers to decide with (an SGLang TP group, or torch.distributed in tests)."""
-    if _sglang_tp_group() is not None:
-        return True
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+def _decision_group() -> torch.distributed.ProcessGroup | None:
+    """The CPU (gloo) group the TP workers decide the automatic wiring over: SGLang's own `cpu_group` of the
+    TP group (the loader runs while every worker handles the same update request, so its few all-gathers
+    are in step), or the exchange group outside SGLang; None in a process alone."""
+    tp = _sglang_tp_group()
+    if tp is not None:
+        return tp.cpu_group
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return exchange_group()
+    return None
 
 
 def _cfg() -> ColocateConfig:
@@ -265,12 +270,13 @@ def _automatic(
     """Collective over the exchange group (auto.py): None when no GPU of this engine has a trainer record."""
     from colocate_runtime.sglang.auto import Worker, automatic_wiring
 
-    group = exchange_group() if _in_a_group() else None
+    group = _decision_group()
     uuid = importer_for(cfg, rank=rank, device=device).device_uuid()
     where = torch.device("cuda", device) if device is not None else None
+    worker = Worker(rank, group, where, uuid, exchange_group if group is not None else None)
     store = connect(cfg)
     try:
-        return automatic_wiring(model, cfg, store, Worker(rank, group, where, uuid))
+        return automatic_wiring(model, cfg, store, worker)
     finally:
         store.close()
 
