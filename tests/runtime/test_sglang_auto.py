@@ -230,3 +230,56 @@ def test_a_missing_record_names_the_key_and_what_writes_it() -> None:
         auto.wait_for_record(Records(), CFG_QUICK, "GPU-0", 0.2)  # type: ignore[arg-type]
     text = str(err.value)
     assert "colocate:team-a:rl-job:trainer:GPU-0" in text and "colocate_runtime.megatron" in text
+
+
+# --- the loader's choice between user resolvers, the automatic wiring and SGLang's own names ---------------
+
+
+class BuiltReader(SimpleNamespace):
+    """What `new_reader` was called with (the loader's reader, without a meta-store)."""
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[BuiltReader]:
+    from colocate_runtime.colocated.reader import ReaderSettings
+    from colocate_runtime.sglang import loader
+
+    calls: list[BuiltReader] = []
+
+    def new_reader(cfg: ColocateConfig, targets: Any, **kw: Any) -> BuiltReader:
+        calls.append(BuiltReader(targets=targets, settings=ReaderSettings(job="j", namespace="n"), **kw))
+        return calls[-1]
+
+    shm = ColocateConfig(
+        job="j", namespace="n", metastore=MetaStoreAddress("h", 1, "p"), transport="SharedMemory"
+    )
+    monkeypatch.setattr(loader, "new_reader", new_reader)
+    monkeypatch.setattr(loader, "_cfg", lambda: shm)
+    monkeypatch.setattr(loader, "register_engine", lambda rank=None: None)
+    monkeypatch.setattr(loader, "_readers", {})
+    monkeypatch.setattr(loader, "_resolver", None)
+    monkeypatch.setattr(loader, "_exchange_resolver", None)
+    return calls
+
+
+def test_the_loader_prefers_user_resolvers_then_the_records_then_sglangs_names(
+    built: list[BuiltReader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from colocate_runtime.sglang import loader
+
+    model = sglang_model()
+    auto_calls: list[int] = []
+    wired = auto.AutoWiring({"x": torch.zeros(1)}, {}, None, "local", "test")
+    monkeypatch.setattr(loader, "_automatic", lambda *a: auto_calls.append(1) or wired)
+    loader.reader_for(model)
+    assert built[-1].targets is wired.targets and built[-1].settings.allow_extra_entries  # the records
+    loader._readers.clear()
+    monkeypatch.setattr(loader, "_automatic", lambda *a: auto_calls.append(1) or None)
+    loader.reader_for(model)
+    assert built[-1].targets.keys() == dict(model.named_parameters()).keys()  # no record: SGLang's names
+    assert not built[-1].settings.allow_extra_entries
+    loader._readers.clear()
+    mine = {"y": torch.zeros(1)}
+    loader.set_target_resolver(lambda _model: mine)
+    loader.reader_for(model)
+    assert built[-1].targets is mine and len(auto_calls) == 2  # the user's resolver: no automatic wiring
