@@ -28,6 +28,9 @@ from colocate_devcluster import Cluster, ClusterSpec
 from colocate_devcluster.localredis import RedisServer
 from colocate_devcluster.processes import free_port
 
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import megatron_example as megatron  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 LOADER = "colocate_runtime.sglang.loader.load_colocated_step"
@@ -104,6 +107,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5, help="weight-update steps to run (default 5)")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".devcluster-demo")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
+    parser.add_argument(
+        "--example",
+        choices=("tiny", "megatron"),
+        default="tiny",
+        help="tiny: a tiny LM and the SGLang stand-in (quick); megatron: examples/megatron (megatron-core at "
+        "TP 2 under torchrun, real SGLang at TP 2, a few minutes)",
+    )
     args = parser.parse_args()
     # Ctrl-C or a kill still tears everything down (the ExitStack below runs on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -176,53 +186,18 @@ def main() -> int:
             f"--from-literal=password={password}",
         )
 
-        say("5/7 kubectl apply -f examples/colocatejob.yaml")
-        job = yaml.safe_load((ROOT / "examples" / "colocatejob.yaml").read_text())
+        job_file = megatron.JOB if args.example == "megatron" else ROOT / "examples" / "colocatejob.yaml"
+        say(f"5/7 kubectl apply -f {job_file.relative_to(ROOT)}")
+        job = yaml.safe_load(job_file.read_text())
         job["spec"]["metaStore"]["external"]["address"] = redis.addr
+        if args.example == "megatron":
+            megatron.prepare(job, args.workdir, args.steps)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
         pods = wait(lambda: _running_pods(cluster, job["spec"]["numNodes"]), 120, "the job's pods Running")
         print(cluster.kubectl("get", "colocatejobs,pods", "-n", "demo", "-o", "wide").stdout, end="")
 
-        say(f"6/7 per pod: a trainer and the SGLang stand-in, {args.steps} weight-update steps")
-        trainers = []
-        for pod in pods:
-            index = pod["metadata"]["labels"].get("colocate.dev/replica-index") or pod["metadata"]["name"][-1]
-            rollout_port = free_port()
-            overrides = {
-                "COLOCATE_TRANSPORT": "SharedMemory",  # CPU stand-in for CUDA IPC
-                "COLOCATE_SGLANG_URL": f"http://127.0.0.1:{rollout_port}",
-                "OMP_NUM_THREADS": "1",
-                "DEMO_STEPS": str(args.steps),
-            }
-            base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
-            rollout_env = {**base, **container_env(cluster, pod, "rollout"), **overrides}
-            trainer_env = {**base, **container_env(cluster, pod, "trainer"), **overrides}
-            spawn(
-                stack,
-                [
-                    PY,
-                    "-m",
-                    "colocate_runtime.sglang.standin",
-                    "--port",
-                    str(rollout_port),
-                    "--custom-weight-loader",
-                    LOADER,
-                    INIT_LOADER,
-                ],
-                logs / f"rollout-{index}.log",
-                rollout_env,
-            )
-            trainers.append(
-                (
-                    index,
-                    spawn(
-                        stack,
-                        [PY, str(ROOT / "demo" / "trainer.py")],
-                        logs / f"trainer-{index}.log",
-                        trainer_env,
-                    ),
-                )
-            )
+        start = _start_megatron if args.example == "megatron" else _start_tiny
+        trainers = start(stack, cluster, job, pods, logs, args.steps)
         _follow_steps(cluster, trainers, args.steps)
         # No kubelet: report the containers' exit as one would, so the operator can see the pods finish.
         for pod in pods:
@@ -248,7 +223,7 @@ def main() -> int:
         results = {i: _trainer_lines(logs / f"trainer-{i}.log") for i, _ in trainers}
         _summary(status, results)
         ok = status.get("phase") == "Succeeded" and all(
-            r.get("rollout_matches_trainer") for lines in results.values() for r in lines
+            matches(r) for lines in results.values() for r in lines if "step" in r
         )
         print(
             f"\ndemo {'succeeded' if ok else 'FAILED'} in {time.monotonic() - started:.0f} s; logs in {logs}"
@@ -259,6 +234,69 @@ def main() -> int:
                 f"COLOCATE_DEVCLUSTER_DIR={args.workdir}`"
             )
         return 0 if ok else 1
+
+
+def _start_tiny(
+    stack: ExitStack, cluster: Cluster, job: dict, pods: list[dict], logs: Path, steps: int
+) -> list[tuple[str, subprocess.Popen]]:
+    say(f"6/7 per pod: a trainer and the SGLang stand-in, {steps} weight-update steps")
+    trainers = []
+    for pod in pods:
+        index = _index(pod)
+        rollout_port = free_port()
+        overrides = {
+            "COLOCATE_TRANSPORT": "SharedMemory",  # CPU stand-in for CUDA IPC
+            "COLOCATE_SGLANG_URL": f"http://127.0.0.1:{rollout_port}",
+            "OMP_NUM_THREADS": "1",
+            "DEMO_STEPS": str(steps),
+        }
+        base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
+        rollout_env = {**base, **container_env(cluster, pod, "rollout"), **overrides}
+        trainer_env = {**base, **container_env(cluster, pod, "trainer"), **overrides}
+        argv = [PY, "-m", "colocate_runtime.sglang.standin", "--port", str(rollout_port)]
+        spawn(
+            stack,
+            [*argv, "--custom-weight-loader", LOADER, INIT_LOADER],
+            logs / f"rollout-{index}.log",
+            rollout_env,
+        )
+        trainer = spawn(
+            stack, [PY, str(ROOT / "demo" / "trainer.py")], logs / f"trainer-{index}.log", trainer_env
+        )
+        trainers.append((index, trainer))
+    return trainers
+
+
+def _start_megatron(
+    stack: ExitStack, cluster: Cluster, job: dict, pods: list[dict], logs: Path, steps: int
+) -> list[tuple[str, subprocess.Popen]]:
+    say(f"6/7 per pod: the containers' own commands (torchrun + megatron-core, real SGLang), {steps} steps")
+    trainers = []
+    for pod in pods:
+        index = _index(pod)
+        rollout_port = free_port()
+        overrides = {
+            "COLOCATE_TRANSPORT": "SharedMemory",  # CPU stand-in for CUDA IPC
+            "COLOCATE_ROLLOUT_PORT": str(rollout_port),
+            "COLOCATE_SGLANG_URL": f"http://127.0.0.1:{rollout_port}",
+            "COLOCATE_RENDEZVOUS_ADDR": f"127.0.0.1:{free_port()}",  # no cluster DNS here
+        }
+        base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
+        rollout_env = megatron.rollout_env({**base, **container_env(cluster, pod, "rollout"), **overrides})
+        trainer_env = megatron.trainer_env({**base, **container_env(cluster, pod, "trainer"), **overrides})
+        spawn(stack, megatron.rollout_argv(job, rollout_env), logs / f"rollout-{index}.log", rollout_env)
+        trainer = spawn(
+            stack, megatron.trainer_argv(job, trainer_env), logs / f"trainer-{index}.log", trainer_env
+        )
+        print(
+            f"pod {index}: SGLang on 127.0.0.1:{rollout_port}; logs {logs}/{{rollout,trainer}}-{index}.log"
+        )
+        trainers.append((index, trainer))
+    return trainers
+
+
+def _index(pod: dict) -> str:
+    return pod["metadata"]["labels"].get("colocate.dev/replica-index") or pod["metadata"]["name"][-1]
 
 
 def _running_pods(cluster: Cluster, count: int) -> list[dict] | None:
@@ -301,6 +339,12 @@ def _trainer_lines(log: Path) -> list[dict]:
     return lines
 
 
+def matches(record: dict) -> bool:
+    """The rollout engine holds the trainer's weights: the tiny trainer's bitwise check, or the megatron
+    example's greedy output equal to transformers' from the trainer's weights."""
+    return bool(record.get("rollout_matches_trainer", record.get("greedy_equal")))
+
+
 def _summary(status: dict, results: dict[str, list[dict]]) -> None:
     recent = {r["step"]: r for r in status.get("recentSteps", [])}
     first = next(iter(results.values()), [])
@@ -313,10 +357,7 @@ def _summary(status: dict, results: dict[str, list[dict]]) -> None:
         if step is None:
             continue
         s = recent.get(step, {})
-        same = all(
-            any(r.get("step") == step and r.get("rollout_matches_trainer") for r in lines)
-            for lines in results.values()
-        )
+        same = all(any(r.get("step") == step and matches(r) for r in lines) for lines in results.values())
         print(
             f"{step:>4}  {record['reward']:>6.3f}  {record['loss']:>7.4f}  {s.get('result', '-'):>9}  "
             f"{s.get('syncSeconds', 0):>15.4f}  {s.get('bytes', 0):>7}  {'yes, every pod' if same else 'NO'}"
