@@ -39,7 +39,8 @@ vocabulary padding to make_vocab_size_divisible_by x TP against SGLang's 64, pip
 by other GPUs arrive through a `ReshardExchange` (colocated/exchange.py) over a process group of its own, so a
 failed exchange cannot poison SGLang's inference group. One log line per worker says which path and why. A
 failure on any worker (no record on its GPU, another architecture, a layout the converters cannot place) fails
-the step on every worker, naming it.
+that step on every worker with the reason in its error ACK (the trainer's writer raises it), and the next
+update wires again.
 
 Each update is one collective step: SGLang runs the loader on every TP worker at once; the first one also
 creates, on the exchange path, the exchange's own group (`exchange_group()`) and the exchange.
@@ -64,13 +65,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.exchange_seam import ExchangeRequest
+from colocate_runtime.colocated.outcome import StepFailed
 from colocate_runtime.colocated.preflight_reader import PreflightResponder
 from colocate_runtime.colocated.reader import WeightReader
 from colocate_runtime.colocated.wiring import connect, importer_for, new_reader, new_responder
+from colocate_runtime.sglang.auto import AutoWiring, AutoWiringError, Worker, automatic_wiring
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
-    from colocate_runtime.sglang.auto import AutoWiring
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +234,15 @@ def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
     finalize = _post_load(model)
     rank = _tp_rank()
     if _resolver is None and _exchange_resolver is None:
-        wired = _automatic(model, cfg, rank, device)
+        try:
+            wired = _automatic(model, cfg, rank, device)
+        except AutoWiringError as err:
+            log.error("colocated loader: %s", err)
+            # Every worker raised the same error: each answers this step with it (an error ACK, which the
+            # trainer's writer raises), and the next update wires again (a trainer may start late).
+            return new_reader(
+                cfg, {}, rank=rank, device=device, exchange=_Refusal(str(err)), preflight=preflight
+            )
         if wired is not None:
             reader = new_reader(
                 cfg,
@@ -267,9 +278,7 @@ def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
 def _automatic(
     model: torch.nn.Module, cfg: ColocateConfig, rank: int, device: int | None
 ) -> AutoWiring | None:
-    """Collective over the exchange group (auto.py): None when no GPU of this engine has a trainer record."""
-    from colocate_runtime.sglang.auto import Worker, automatic_wiring
-
+    """Collective over the TP workers (auto.py): None when no GPU of this engine has a trainer record."""
     group = _decision_group()
     uuid = importer_for(cfg, rank=rank, device=device).device_uuid()
     where = torch.device("cuda", device) if device is not None else None
@@ -279,6 +288,28 @@ def _automatic(
         return automatic_wiring(model, cfg, store, worker)
     finally:
         store.close()
+
+
+class _Refusal:
+    """The exchange seam of a reader that can only refuse (its wiring failed): it takes the step, copies
+    nothing and fails it with why, so the trainer learns the reason from the step's error ACK rather than
+    from a timeout."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __call__(self, request: ExchangeRequest) -> set[str]:
+        raise StepFailed(self.why, step=request.manifest.step)
+
+    def abandon(self, error: BaseException) -> None:
+        """No peers wait on a refusal."""
+
+
+def _drop_if_refusing(model: torch.nn.Module, reader: WeightReader) -> None:
+    if isinstance(reader.exchange, _Refusal):
+        with _lock:
+            _readers.pop(id(model), None)
+        reader.close()
 
 
 def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
@@ -297,6 +328,10 @@ def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
         log.error(
             "colocated loader: step not applied on rank %d: %s: %s", _tp_rank(), type(err).__name__, err
         )
+    try:
+        _drop_if_refusing(model, reader)
+    except Exception as err:
+        log.warning("colocated loader: the refusing reader did not close cleanly (%s)", err)
 
 
 def start_colocated(model: torch.nn.Module, named_tensors: Any) -> None:
