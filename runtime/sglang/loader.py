@@ -236,13 +236,15 @@ def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
     if _resolver is None and _exchange_resolver is None:
         try:
             wired = _automatic(model, cfg, rank, device)
-        except AutoWiringError as err:
-            log.error("colocated loader: %s", err)
-            # Every worker raised the same error: each answers this step with it (an error ACK, which the
-            # trainer's writer raises), and the next update wires again (a trainer may start late).
-            return new_reader(
-                cfg, {}, rank=rank, device=device, exchange=_Refusal(str(err)), preflight=preflight
-            )
+        except Exception as err:
+            why = str(err) if isinstance(err, AutoWiringError) else f"{type(err).__name__}: {err}"
+            if not isinstance(err, AutoWiringError):  # not agreed by the workers (creating the exchange)
+                why = f"automatic colocated wiring failed on worker {rank}: {why}"
+            log.error("colocated loader: %s", why)
+            # Each worker answers this step with why (an error ACK, which the trainer's writer raises), and
+            # the next update wires again (a trainer may start late).
+            refusal = _Refusal(why)
+            return new_reader(cfg, {}, rank=rank, device=device, exchange=refusal, preflight=preflight)
         if wired is not None:
             reader = new_reader(
                 cfg,

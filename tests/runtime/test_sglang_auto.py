@@ -283,3 +283,22 @@ def test_the_loader_prefers_user_resolvers_then_the_records_then_sglangs_names(
     loader.set_target_resolver(lambda _model: mine)
     loader.reader_for(model)
     assert built[-1].targets is mine and len(auto_calls) == 2  # the user's resolver: no automatic wiring
+
+
+def test_a_wiring_that_fails_becomes_a_reader_that_fails_the_step_with_why(
+    built: list[BuiltReader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from colocate_runtime.colocated.outcome import StepFailed
+    from colocate_runtime.sglang import loader
+
+    def fails(*args: Any) -> None:
+        raise AutoWiringError("automatic colocated wiring failed on worker 1: no trainer record")
+
+    monkeypatch.setattr(loader, "_automatic", fails)
+    loader.reader_for(sglang_model())
+    refusal = built[-1].exchange
+    assert built[-1].targets == {} and isinstance(refusal, loader._Refusal)
+    request = SimpleNamespace(manifest=SimpleNamespace(step=4))
+    with pytest.raises(StepFailed, match="failed on worker 1: no trainer record") as err:
+        refusal(request)
+    assert err.value.step == 4
