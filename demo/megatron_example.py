@@ -9,8 +9,10 @@ from the environment the operator put into the pod, as a kubelet expands them. W
   memory stands in for CUDA IPC (`COLOCATE_TRANSPORT=SharedMemory`); Megatron's CUDA-only optimizer runs on
   CPU through the example's own stand-ins (examples/megatron/model.py);
 - no cluster DNS or pod network: the rendezvous address and SGLang's port are free ports on 127.0.0.1;
-- the model folder (`model.config`) is a tiny random Qwen3 config written under the work directory; SGLang
-  starts from `--load-format dummy` and the trainer pushes its weights before the first rollout.
+- the model folder (`model.config`) is a tiny random Qwen3 config written under the work directory, in fp32
+  so that SGLang's and transformers' greedy tokens can be compared exactly; SGLang gets `--dtype float32`
+  (its `auto` serves an fp32 config in fp16). It starts from `--load-format dummy`; the trainer pushes its
+  weights before the first rollout.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def rollout_argv(job: dict[str, Any], env: dict[str, str]) -> list[str]:
         for token in option
     ]
     kept = [a for a in argv[3:] if a not in CUDA_ONLY_FLAGS]
+    if "--dtype" not in kept:  # SGLang's `auto` serves an fp32 config in fp16; the tiny model is fp32
+        kept += ["--dtype", str(TINY_QWEN3["torch_dtype"])]
     return [sys.executable, "-m", "tests.sglang_real.cpu_launch", *kept, *extra]
 
 

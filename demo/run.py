@@ -96,8 +96,8 @@ def container_env(cluster: Cluster, pod: dict, container: str) -> dict[str, str]
     return env
 
 
-def job_status(cluster: Cluster) -> dict:
-    return json.loads(cluster.kubectl("get", "colocatejob", "demo", "-n", "demo", "-o", "json").stdout).get(
+def job_status(cluster: Cluster, name: str) -> dict:
+    return json.loads(cluster.kubectl("get", "colocatejob", name, "-n", "demo", "-o", "json").stdout).get(
         "status", {}
     )
 
@@ -198,7 +198,8 @@ def main() -> int:
 
         start = _start_megatron if args.example == "megatron" else _start_tiny
         trainers = start(stack, cluster, job, pods, logs, args.steps)
-        _follow_steps(cluster, trainers, args.steps)
+        name = job["metadata"]["name"]
+        _follow_steps(cluster, name, trainers, args.steps)
         # No kubelet: report the containers' exit as one would, so the operator can see the pods finish.
         for pod in pods:
             cluster.kubectl(
@@ -213,7 +214,7 @@ def main() -> int:
                 json.dumps({"status": {"phase": "Succeeded"}}),
             )
         status = wait(
-            lambda: (s := job_status(cluster)).get("phase") in ("Succeeded", "Failed") and s,
+            lambda: (s := job_status(cluster, name)).get("phase") in ("Succeeded", "Failed") and s,
             60,
             "the job to finish (the trainers' final records)",
         )
@@ -288,9 +289,7 @@ def _start_megatron(
         trainer = spawn(
             stack, megatron.trainer_argv(job, trainer_env), logs / f"trainer-{index}.log", trainer_env
         )
-        print(
-            f"pod {index}: SGLang on 127.0.0.1:{rollout_port}; logs {logs}/{{rollout,trainer}}-{index}.log"
-        )
+        print(f"pod {index}: SGLang on 127.0.0.1:{rollout_port}; logs {logs}/{{rollout,trainer}}-{index}.log")
         trainers.append((index, trainer))
     return trainers
 
@@ -309,12 +308,14 @@ def _running_pods(cluster: Cluster, count: int) -> list[dict] | None:
     return sorted(running, key=lambda p: p["metadata"]["name"]) if len(running) == count else None
 
 
-def _follow_steps(cluster: Cluster, trainers: list[tuple[str, subprocess.Popen]], steps: int) -> None:
+def _follow_steps(
+    cluster: Cluster, name: str, trainers: list[tuple[str, subprocess.Popen]], steps: int
+) -> None:
     """Print `kubectl get colocatejobs` each time the job's status shows a new step."""
     shown = None
     deadline = time.monotonic() + STEP_TIMEOUT * steps
     while time.monotonic() < deadline:
-        step = job_status(cluster).get("weightSync", {}).get("lastCompletedStep")
+        step = job_status(cluster, name).get("weightSync", {}).get("lastCompletedStep")
         if step != shown:
             shown = step
             args = ["get", "colocatejobs", "-n", "demo"] + (["--no-headers"] if step else [])
@@ -322,7 +323,7 @@ def _follow_steps(cluster: Cluster, trainers: list[tuple[str, subprocess.Popen]]
         if shown == steps:
             return
         if any(p.poll() not in (None, 0) for _, p in trainers):
-            raise SystemExit("demo: a trainer failed; see its log under .devcluster-demo/logs")
+            raise SystemExit("demo: a trainer failed; see its log (logs/trainer-N.log in the work directory)")
         if all(p.poll() is not None for _, p in trainers):
             deadline = min(deadline, time.monotonic() + 30)  # trainers done: status must follow soon
         time.sleep(0.3)

@@ -71,7 +71,8 @@ class Publisher:
         self.cfg = ColocateConfig.from_env(environ)
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
         self.keep_mapped = keep_mapped
-        self.agree = Agreement(self.cfg.step_timeout_s + AGREE_MARGIN_S)
+        # The longest a rank may wait for its peers: rank 0 waiting for SGLang to start, or a step.
+        self.agree = Agreement(max(self.cfg.step_timeout_s, engine_ready_s) + AGREE_MARGIN_S)
         self.local_rank = int(environ.get("LOCAL_RANK", "0"))
         self.rollout: ColocatedRollout | None = None  # set on the rank that drives this pod's engine
         self.writer: WeightWriter | None = None
