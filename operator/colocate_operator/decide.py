@@ -800,8 +800,8 @@ def _drain(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, An
         outcome = "Checkpointed"  # also when a trainer exited right after its ACK
     elif not live:
         outcome = "NoRunningPods"
-    elif not ranks and not in_flight:
-        outcome = "SyncFinished"
+    elif not ranks and not in_flight and not (checkpoint is not None and checkpoint.pending):
+        outcome = "SyncFinished"  # not while the first read of the records is on its way
     elif p.now >= began + timedelta(seconds=grace):
         outcome = "GracePeriodExpired"
     if ranks:
@@ -829,7 +829,11 @@ def _drain(p: _Pass, new: dict[str, Any], phase: str, creates: list[dict[str, An
         where = f" (step {last_step + 1})" if last_step is not None else ""
         waiting = f"the weight sync in flight{where} is in phase {sync.get('currentPhase')}"
         if checkpoint is not None and not checkpoint.readable:
-            waiting += "; the meta-store did not answer, so no checkpoint was requested"
+            waiting += "; the meta-store " + (
+                "has not answered yet"
+                if checkpoint.pending
+                else "did not answer, so no checkpoint was requested"
+            )
     message = (
         f"suspend requested: {waiting}; the pods are deleted when it is done or at "
         f"{conditions.timestamp(deadline)} (spec.runPolicy.suspendGracePeriodSeconds={grace})"

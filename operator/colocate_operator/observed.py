@@ -192,9 +192,12 @@ class ForeignChild:
 class CheckpointState:
     """The suspend checkpoint records in the job's meta-store (contract/checkpoint.py), read while a suspend
     waits: the trainer ranks that registered for requests, the request there now, and each rank's ACK as
-    (request id, step). `readable` False: the meta-store did not answer (nothing is known of the trainer)."""
+    (request id, step). `readable` False: the meta-store did not answer (nothing is known of the trainer);
+    `pending` also: the first read is still on its way (checkpoints.py reads off the reconcile workers), so
+    nothing may be concluded from the absence of trainer ranks yet."""
 
     readable: bool
+    pending: bool = False
     ranks: frozenset[str] = frozenset()
     request_id: str | None = None
     acks: dict[str, tuple[str, int]] = field(default_factory=dict)

@@ -46,6 +46,7 @@ from colocate_operator.workqueue import WorkQueue
 log = logging.getLogger("colocate_operator.reconciler")
 EVENT_REPEAT_SECONDS = 300.0  # a failure that persists is re-posted as an Event at most this often
 ERROR_RETRY_SECONDS = 5.0
+CHECKPOINT_RETRY_SECONDS = 5.0  # a checkpoint write still on its way: the pass comes back at the latest then
 # How long a pod's exit waits for the step follower to read the stream to its end before it may count as
 # an exit without the final record (a restart). Past it, the exit is judged without that answer.
 FINAL_RECORD_WAIT_SECONDS = 60.0
@@ -90,6 +91,9 @@ class Reconciler:
         self._instance = socket.gethostname()
         self._failure_events: dict[tuple[str, str, str, str, int], float] = {}
         self._creators = ThreadPoolExecutor(max_workers=8, thread_name_prefix="create")
+        # A job's meta-store is read and written on threads of its own, never on these workers: a store one
+        # job paused or slowed holds back only that job (checkpoints.py).
+        self.checkpoint_io = checkpoints.CheckpointIO(api, config, on_done=self.enqueue)
         # The step followers' read progress (StepWatchers.stream_progress), wired when they start.
         self.stream_progress: Callable[[str, str], StreamProgress | None] | None = None
         self._exits_seen: dict[
@@ -164,6 +168,7 @@ class Reconciler:
             if uid is not None:
                 self.known.forget(uid)
                 self._exits_seen.pop(uid, None)
+            self.checkpoint_io.forget(namespace, name)
             self.indexes.forget(namespace, name)
             self.queue.forget(key)
             metrics.forget_job(namespace, name)
@@ -195,7 +200,7 @@ class Reconciler:
         status = body.get("status") or {}
         observed = self._final_record(job, status, self._observe(job, status))
         observed = workloads.observe(self.api, job, observed)  # a job Kueue queues: its Workload
-        observed = checkpoints.observe(self.api, job, status, observed, self.config)  # while a suspend waits
+        observed = self.checkpoint_io.observe(job, status, observed)  # while a suspend waits
         now = self.clock()
         plan = decide(job, status, observed, now, self.config, secrets.token_urlsafe(32))
         workloads.write(self.api, job, observed, plan, now)
@@ -395,7 +400,8 @@ class Reconciler:
             if not self._write_status(job, body, patch):
                 return 0.5  # someone else wrote first: decide again from what they wrote
             patch = {}
-        checkpoints.execute(self.api, job, plan.checkpoint, self.config)  # before the resumed pods exist
+        if not self.checkpoint_io.execute(job, plan.checkpoint):  # before the resumed pods exist
+            return CHECKPOINT_RETRY_SECONDS  # its end queues the job sooner
         failed_creates = self._create_all(job, plan.creates)
         for pod in plan.deletes:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
