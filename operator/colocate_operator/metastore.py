@@ -6,6 +6,11 @@ neither in a pod spec nor on a process command line; the job's pods get it throu
 Redis always runs under a memory limit with `maxmemory` below it and `noeviction`: a write the store cannot
 hold is refused with an error the writer reports ("OOM command not allowed"), where without it the kernel
 would kill Redis and every step in flight would lose its keys.
+
+No reply to an ordinary client may exceed OUTPUT_BUFFER_LIMIT (`client-output-buffer-limit normal`): Redis
+closes the connection instead of sending it. Any container of the job can write values of hundreds of MB;
+this bounds what a reader (the operator's step follower and checkpoint reads among them) can be sent, beside
+their own bounded reads. The largest legitimate reply, a big model's layout, is a few MB.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ DEFAULT_REDIS_RESOURCES: dict[str, dict[str, Any]] = {
 # maxmemory is this share of the container's memory limit: the rest is headroom for what Redis holds outside
 # its dataset accounting (allocator fragmentation, the process itself, Lua, reply buffers of XREADs).
 MAXMEMORY_SHARE = 0.75
+# Hard limit of one ordinary client's pending output (a reply larger than this closes its connection); no soft
+# limit, so a slow but honest reader of a big layout is never cut off.
+OUTPUT_BUFFER_LIMIT = "64mb"
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ def redis_config(password: str) -> str:
             'save ""',
             "appendonly no",
             "dir /data",
+            f"client-output-buffer-limit normal {OUTPUT_BUFFER_LIMIT} 0 0",
             "",
         ]
     )

@@ -2,7 +2,9 @@
 into status (weightSync, recentSteps, WeightSyncHealthy, Progressing, IPCReady), metrics and throttled Events.
 
 Streams are read by one reader per meta-store endpoint (address and password): the jobs sharing an External
-store share one connection and one blocking XREAD over all their streams; a Managed store serves one job.
+store share one connection, one bounded read (STREAM_READ_SCRIPT: an entry larger than any step event stays
+in the store, and is counted, reported and moved past) and one wait for new entries that reads none of them
+(`_Bell`) over all their streams; a Managed store serves one job.
 Each job keeps a small task (`follow`) that resolves its store's credentials, joins the endpoint's reader,
 and writes status when the reader brings a step boundary or a decision falls due (stall, heartbeat, retry).
 Status writes are coalesced per job: a write waits WRITE_SETTLE_SECONDS for the rest of a burst and comes at
@@ -33,6 +35,9 @@ from typing import Any
 
 import kopf
 import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from urllib3.exceptions import HTTPError
 
@@ -48,7 +53,14 @@ from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import StatusView, StepRecordStatus, WeightSyncStatus, step_patch
 from colocate_operator.steps import StepRecord, StepTracker, step_conditions
-from colocate_runtime.contract.events import STREAM_MAXLEN, EventError, decode, stream_key
+from colocate_runtime.contract.events import (
+    ENTRY_MAX_FIELDS,
+    FIELD_MAX_BYTES,
+    STREAM_MAXLEN,
+    EventError,
+    decode,
+    stream_key,
+)
 
 log = logging.getLogger("colocate_operator.steps")
 
@@ -83,6 +95,48 @@ WRITES_IN_FLIGHT = 16  # status writes at once, over all jobs (also the follower
 SKIP_EVENT_INTERVAL = 60.0  # skipped entries reach the job as one Event per job at most this often
 EVENT_MESSAGE_MAX_CHARS = 1024
 TRIM_EVERY = 1000  # entries read between two XTRIMs of a stream
+# The largest entry the decoder can accept (ENTRY_MAX_FIELDS keys and values of FIELD_MAX_BYTES each): a
+# larger one is skipped in the meta-store, never sent to the operator (any container can XADD hundreds of MB).
+ENTRY_MAX_BYTES = 2 * ENTRY_MAX_FIELDS * FIELD_MAX_BYTES
+# What one read brings at most, over all its streams (a real entry is a few hundred bytes: 2000 of them are
+# well under it); a stream left out for it is read again at once.
+READ_BYTES_MAX = 4 * 1024 * 1024
+POLL_SECONDS = 1.0  # where the store refuses CLIENT REPLY (an ACL), new entries are looked for this often
+
+# The bounded read (EVALSHA): per stream, the entries after its last id (at most ARGV[1]); an entry over
+# ARGV[2] bytes or ARGV[3] fields is left in the store and only its id and size come back; the kept ones stop
+# at ARGV[4] bytes in all. Per stream: {last id looked at, kept entries (as XRANGE has them), skipped
+# {id, bytes} pairs, 1 when more may follow at once}. Needs Redis >= 6.2 (exclusive XRANGE ids).
+STREAM_READ_SCRIPT = """
+local count, entry_max, fields_max = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local budget = tonumber(ARGV[4])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local last, kept, skipped, more = ARGV[4 + i], {}, {}, 0
+  if budget < entry_max then
+    more = 1
+  else
+    local entries = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', count)
+    for _, entry in ipairs(entries) do
+      local fields, size = entry[2], 0
+      for _, value in ipairs(fields) do size = size + #value end
+      if size > entry_max or #fields > 2 * fields_max then
+        skipped[#skipped + 1] = {entry[1], size}
+      elseif size > budget then
+        more = 1
+        break
+      else
+        budget = budget - size
+        kept[#kept + 1] = entry
+      end
+      last = entry[1]
+    end
+    if #entries >= count then more = 1 end
+  end
+  out[i] = {last, kept, skipped, more}
+end
+return out
+"""
 
 
 class JobGone(Exception):
@@ -287,6 +341,9 @@ class _Skips:
     reported_count: int = 0
     reported_dropped: int = 0
     last_event: float = float("-inf")
+    oversized: int = 0  # entries over ENTRY_MAX_BYTES, left unread in the store
+    largest: int = 0  # bytes of the largest of them since the last Event
+    reported_oversized: int = 0
 
 
 @dataclass
@@ -357,6 +414,15 @@ class _Follow:
                 self.skips.last = str(e) if isinstance(e, EventError) else type(e).__name__
         return mark != (self.boundaries, tracker.current_phase, self.skips.count, tracker.dropped)
 
+    def skip_oversized(self, skipped: list[Any], last: bytes | str) -> bool:
+        """Count entries the bounded read left in the store (`[entry_id, bytes]` each) and move past them
+        and everything else looked at up to `last`, so that no replay reads them again. True: there were."""
+        self.last_id = last.decode() if isinstance(last, bytes) else str(last)
+        for _, size in skipped:
+            self.skips.oversized += 1
+            self.skips.largest = max(self.skips.largest, int(size))
+        return bool(skipped)
+
     def let_go(self, error: BaseException | None) -> None:
         if self.lost is not None and not self.lost.done():
             if error is None:
@@ -386,6 +452,7 @@ def stream_client(address: str, password: str, **options: Any) -> aioredis.Redis
         password=password,
         socket_timeout=READ_BLOCK_MAX_SECONDS + 5,
         socket_connect_timeout=5,
+        retry=Retry(NoBackoff(), 0),  # the follower lets go and comes back with its own back-off
         **options,
     )
     client.set_response_callback("XREAD", _raw_reply)
@@ -400,15 +467,84 @@ def _raw_reply(response: Any, **_: Any) -> list[Any]:
     return response or []
 
 
+class _Bell:
+    """Waits until a stream has an entry after a given id without reading the entry: on a connection of its
+    own, `CLIENT REPLY SKIP` drops the reply of the blocking XREAD behind it (the entries, of any size), and
+    the PING after that answers when the XREAD returns (an entry came, or its block ran out). Where the store
+    refuses CLIENT REPLY (an ACL without it), it waits POLL_SECONDS instead."""
+
+    PROBE = b"colocate-bell"
+
+    def __init__(self, address: str, password: str) -> None:
+        host, _, port = address.rpartition(":")
+        self._options: dict[str, Any] = {
+            "host": host,
+            "port": int(port),
+            "password": password,
+            "socket_timeout": READ_BLOCK_MAX_SECONDS + 5,
+            "socket_connect_timeout": 5,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        self._connection: Connection | None = None
+        self.skips: bool | None = None  # the store honours CLIENT REPLY SKIP (None: not asked yet)
+
+    async def wait(self, streams: dict[str, str], timeout: float) -> None:
+        if self.skips is False:
+            await asyncio.sleep(min(timeout, POLL_SECONDS))
+            return
+        connection = await self._connected()
+        if not self.skips:
+            await asyncio.sleep(min(timeout, POLL_SECONDS))
+            return
+        block = ["BLOCK", max(1, round(timeout * 1000)), "COUNT", 1, "STREAMS", *streams, *streams.values()]
+        try:
+            commands = [("CLIENT", "REPLY", "SKIP"), ("XREAD", *block), ("PING",)]
+            await connection.send_packed_command(connection.pack_commands(commands))
+            await connection.read_response()  # the PING's answer: the XREAD has returned
+        except BaseException:  # cancelled (a job joined) or failed: the connection's state is unknown
+            await self.close()
+            raise
+
+    async def _connected(self) -> Connection:
+        if self._connection is not None:
+            return self._connection
+        connection = Connection(**self._options)
+        await connection.connect()
+        self._connection = connection
+        if self.skips is None:
+            try:
+                probe = [("CLIENT", "REPLY", "SKIP"), ("PING",), ("ECHO", self.PROBE)]
+                await connection.send_packed_command(connection.pack_commands(probe))
+                first = await connection.read_response()
+                self.skips = first in (self.PROBE, self.PROBE.decode())
+            except ResponseError:  # refused: the PING's and the ECHO's answers follow
+                self.skips = False
+            if not self.skips:
+                log.warning("the meta-store at %s refuses CLIENT REPLY: polling it", self._options["host"])
+                await self.close()
+        return connection
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.disconnect()
+
+
 class _Reader:
-    """Reads the streams of every job attached to one endpoint in one multiplexed XREAD loop. A job joining
-    interrupts the blocking XREAD (redis-py drops and redials the connection; joins arriving together share
-    it). A connection failure lets go of every job: each resolves its credentials again and joins anew."""
+    """Reads the streams of every job attached to one endpoint in one loop: a bounded read of all of them
+    (STREAM_READ_SCRIPT: entries over ENTRY_MAX_BYTES never leave the store, a reply is at most
+    READ_BYTES_MAX), then, when nothing more is there, one wait for a new entry (`_Bell`). A job joining
+    interrupts the wait (joins arriving together share the next read). A connection failure lets go of every
+    job: each resolves its credentials again and joins anew."""
 
     def __init__(self, address: str, password: str, on_close: Callable[[_Reader], None]) -> None:
         self.client = stream_client(address, password)
+        self.script = self.client.register_script(STREAM_READ_SCRIPT)
+        self.bell = _Bell(address, password)
         self.jobs: dict[str, _Follow] = {}
         self.xreads = 0
+        self._turn = 0  # the stream read first rotates: a reply's byte bound favours none
         self._joined = asyncio.Event()
         self._on_close = on_close
         self._task: asyncio.Task[None] | None = None
@@ -454,6 +590,7 @@ class _Reader:
             for follow in list(self.jobs.values()):
                 follow.let_go(error or ConnectionError("the reader stopped"))
             self.jobs.clear()
+            await self.bell.close()
             await self.client.aclose()
 
     async def _read_once(self) -> None:
@@ -462,55 +599,68 @@ class _Reader:
         for key, follow in jobs.items():
             await follow.trim.maybe(self.client, key, follow.job)
         count = read_count(len(jobs))
-        streams = {key: follow.last_id for key, follow in jobs.items()}
+        keys = list(jobs)
+        self._turn = (self._turn + 1) % max(1, len(keys))
+        keys = keys[self._turn :] + keys[: self._turn]
         issued = time.time()
-        read = asyncio.ensure_future(
-            self.client.xread(streams, count=count, block=round(READ_BLOCK_MAX_SECONDS * 1000))  # type: ignore[arg-type]
-        )
-        joined = asyncio.ensure_future(self._joined.wait())
         try:
-            await asyncio.wait({read, joined}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            joined.cancel()
-            if not read.done():
-                read.cancel()  # a job joined: read again over the new set of streams
-        if not read.done() or read.cancelled():
-            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                await read
-            await asyncio.sleep(JOIN_SETTLE_SECONDS)
-            return
-        try:
-            reply = read.result()
+            reply = await self.script(
+                keys=keys,
+                args=[count, ENTRY_MAX_BYTES, ENTRY_MAX_FIELDS, READ_BYTES_MAX]
+                + [jobs[key].last_id for key in keys],
+            )
         except ResponseError:
             if await self._let_go_of_broken_streams(jobs):
                 return
             raise
         self.xreads += 1
-        full = self._deliver(jobs, reply, count, issued)
-        if reply and not full:
-            await asyncio.sleep(READ_BATCH_SECONDS)
+        more, brought = self._deliver(jobs, keys, reply, issued)
+        if more:
+            return  # read again at once
+        if brought:
+            await asyncio.sleep(READ_BATCH_SECONDS)  # busy streams: a batch per interval
+            return
+        await self._wait_for_entries(jobs)
 
-    def _deliver(self, jobs: dict[str, _Follow], reply: Any, count: int, issued: float) -> bool:
-        """Hand each stream's entries to its job; True when some stream filled its count."""
-        read: dict[str, int] = {}
-        news: set[str] = set()
-        for stream, entries in reply or []:
-            key = stream.decode() if isinstance(stream, bytes) else str(stream)
-            follow = jobs.get(key)
-            if follow is None or self.jobs.get(key) is not follow:
-                continue  # detached while the XREAD ran
-            if follow.consume(entries):
-                news.add(key)
-            read[key] = len(entries)
-        for key, follow in jobs.items():
+    async def _wait_for_entries(self, jobs: dict[str, _Follow]) -> None:
+        """Until a stream has an entry after what was read, a job joins, or READ_BLOCK_MAX_SECONDS pass."""
+        streams = {key: follow.last_id for key, follow in jobs.items()}
+        waiting = asyncio.ensure_future(self.bell.wait(streams, READ_BLOCK_MAX_SECONDS))
+        joined = asyncio.ensure_future(self._joined.wait())
+        try:
+            await asyncio.wait({waiting, joined}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            joined.cancel()
+            if not waiting.done():
+                waiting.cancel()  # a job joined: read again over the new set of streams
+        if not waiting.done() or waiting.cancelled():
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await waiting
+            await asyncio.sleep(JOIN_SETTLE_SECONDS)
+            return
+        waiting.result()  # raises what the wait failed with
+
+    def _deliver(
+        self, jobs: dict[str, _Follow], keys: list[str], reply: list[Any], issued: float
+    ) -> tuple[bool, bool]:
+        """Hand each stream's entries to its job; (some stream may have more at once, entries came)."""
+        more = brought = False
+        for key, (last, kept, skipped, full) in zip(keys, reply, strict=True):
+            follow = jobs[key]
+            if self.jobs.get(key) is not follow:
+                continue  # detached while the read ran
+            news = follow.consume(kept)
+            news = follow.skip_oversized(skipped, last) or news
             follow.reads += 1
             # The reconciler's catch-up barrier before a pod exit counts as failure.
             follow.progress.final = follow.tracker.final_result is not None
-            if read.get(key, 0) < count:
+            if not full:
                 follow.progress.caught_up_at = issued  # everything added before `issued` has been read
-            if key in news:
+            if news:
                 follow.news.set()
-        return any(n >= count for n in read.values())
+            more = more or bool(full)
+            brought = brought or bool(kept or skipped)
+        return more, brought
 
     async def _let_go_of_broken_streams(self, jobs: dict[str, _Follow]) -> bool:
         """One job's key that is no stream (any container of the job can write its Redis) fails the XREAD
@@ -709,9 +859,8 @@ async def _write_until_lost(
         now = time.time()
         _note_boundaries(state, writes, now)
         try:
-            skipped = _skips_due(state, now)
-            if skipped:
-                await readers.call(post_event, api, body, "Warning", "StepStreamUntrusted", skipped)
+            for reason, message in _skips_due(state, now):
+                await readers.call(post_event, api, body, "Warning", reason, message)
             await _maybe_write(api, readers, body, state, writes, deadline)
         except JobGone:
             raise
@@ -743,19 +892,34 @@ def _job_gone(api: kube.Kube, namespace: str, name: str, uid: str | None) -> boo
     return body is None or body["metadata"].get("uid") != uid
 
 
-def _skips_due(state: _Follow, now: float) -> str:
-    """The StepStreamUntrusted message due now ("" if none), marking it reported."""
+def _skips_due(state: _Follow, now: float) -> list[tuple[str, str]]:
+    """The (reason, message) Events due now, marking them reported: `StepEntriesSkipped` for entries left
+    unread for their size, `StepStreamUntrusted` for entries that are not step events and state dropped."""
     skips, dropped_total = state.skips, state.tracker.dropped
     skipped, dropped = skips.count - skips.reported_count, dropped_total - skips.reported_dropped
-    if not (skipped or dropped) or now - skips.last_event < SKIP_EVENT_INTERVAL:
-        return ""
+    oversized = skips.oversized - skips.reported_oversized
+    if not (skipped or dropped or oversized) or now - skips.last_event < SKIP_EVENT_INTERVAL:
+        return []
+    due = []
+    if oversized:
+        due.append(
+            (
+                "StepEntriesSkipped",
+                f"skipped {oversized} step-stream entries over {ENTRY_MAX_BYTES} bytes (the largest "
+                f"{skips.largest} bytes) without reading them: a step event is at most {ENTRY_MAX_FIELDS} "
+                f"fields of {FIELD_MAX_BYTES} bytes",
+            )
+        )
     parts = []
     if skipped:
         parts.append(f"skipped {skipped} step-stream entries that are not step events (last: {skips.last})")
     if dropped:
         parts.append(f"let go of {dropped} GPUs or unfinished steps beyond the follower's bounds")
+    if parts:
+        due.append(("StepStreamUntrusted", "; ".join(parts)))
     skips.reported_count, skips.reported_dropped, skips.last_event = skips.count, dropped_total, now
-    return "; ".join(parts)[:EVENT_MESSAGE_MAX_CHARS]
+    skips.reported_oversized, skips.largest = skips.oversized, 0
+    return [(reason, message[:EVENT_MESSAGE_MAX_CHARS]) for reason, message in due]
 
 
 def _record_metrics(namespace: str, name: str, tracker: StepTracker, before: tuple[int | None, int]) -> None:

@@ -121,3 +121,42 @@ def test_a_write_beyond_maxmemory_is_refused_and_redis_keeps_serving(tmp_path: P
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_a_reply_over_the_output_buffer_limit_closes_the_connection_instead(tmp_path: Path) -> None:
+    """Any container can write a value of hundreds of MB; the Managed Redis never sends a reply over
+    OUTPUT_BUFFER_LIMIT to anyone (the operator's own reads are bounded besides, checkpoints.py and
+    stepwatch.py), and keeps serving."""
+    binary = redis_binary()
+    assert binary, "redis-server is needed (Debian's redis-server, or COLOCATE_REDIS_SERVER)"
+    port, password = free_port(), "pw-" + "y" * 40
+    config = metastore.redis_config(password).replace("port 6379", f"port {port}")
+    config = config.replace("dir /data", f"dir {tmp_path}") + "bind 127.0.0.1\n"
+    assert f"client-output-buffer-limit normal {metastore.OUTPUT_BUFFER_LIMIT} 0 0" in config
+    (tmp_path / "redis.conf").write_text(config)
+    with (tmp_path / "redis.log").open("wb") as log:
+        server = subprocess.Popen(
+            [binary, str(tmp_path / "redis.conf")], stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        client = redis.Redis(port=port, password=password, socket_timeout=10)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"redis-server did not start: {(tmp_path / 'redis.log').read_text()}"
+                    ) from None
+                time.sleep(0.05)
+        client.setrange("big", 80 * 2**20 - 1, b"z")  # 80 MiB, written without this process holding it
+        client.set("small", b"ok")
+        with pytest.raises(redis.ConnectionError):
+            client.get("big")
+        assert client.strlen("big") == 80 * 2**20 and client.get("small") == b"ok", "still serving"
+        assert server.poll() is None
+    finally:
+        server.kill()
+        server.wait(10)
