@@ -432,7 +432,7 @@ class _Follow:
         self.news.set()
 
 
-# Readers: one connection and one blocking XREAD per meta-store endpoint ----------------------------------
+# Readers: one bounded read and one wait for new entries per meta-store endpoint ---------------------------
 
 
 def read_count(streams: int) -> int:
