@@ -121,14 +121,21 @@ def trainer_argv(job: dict[str, Any], env: dict[str, str]) -> list[str]:
     return argv
 
 
+def with_dump(env: dict[str, str], workdir: Path) -> dict[str, str]:
+    """SGLang saves what it installed next to the trainer's `--check-dir` (compared by `bitwise_steps`)."""
+    return {**env, "COLOCATE_DUMP_INSTALLED_DIR": str(workdir / "check")}
+
+
 def trainer_env(env: dict[str, str]) -> dict[str, str]:
     paths = [env_path("megatron-env.sh", MEGATRON_VERSION), str(ROOT)]
     return {**env, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
 
 
-def prepare(job: dict[str, Any], workdir: Path, steps: int) -> None:
+def prepare(job: dict[str, Any], workdir: Path, steps: int, *, train_tensor: int | None = None) -> None:
     """The job as the demo applies it: the model folder written here, the step count asked for, and the
     trainer's `--check` (greedy output against transformers, weights saved for the bitwise comparison)."""
+    if train_tensor is not None:
+        job["spec"]["parallelism"]["train"]["tensor"] = train_tensor
     job["spec"]["model"]["config"] = str(write_model(workdir / "models" / "qwen3"))
     command = list(job["spec"]["trainer"]["command"])
     if "--steps" in command:
@@ -142,3 +149,32 @@ def prepare(job: dict[str, Any], workdir: Path, steps: int) -> None:
         "--check-dir",
         str(workdir / "check"),
     ]
+
+
+def bitwise_steps(folder: Path) -> dict[int, bool]:
+    """Per step: SGLang's installed parameters (COLOCATE_DUMP_INSTALLED_DIR) equal the trainer's canonical
+    tensors (`train.py --check-dir`) bit for bit, and the workers together hold every element."""
+    import torch
+
+    from colocate_runtime.shards import Box
+
+    out: dict[int, bool] = {}
+    for trainer_file in sorted(folder.glob("trainer-step-*.pt")):
+        step = int(trainer_file.stem.rsplit("-", 1)[1])
+        full = torch.load(trainer_file, weights_only=False)
+        covered = {name: torch.zeros(t.shape, dtype=torch.bool) for name, t in full.items()}
+        ok = True
+        for installed in sorted(folder.glob(f"installed-step-{step}-rank-*.pt")):
+            for name, (box, data) in torch.load(installed, weights_only=False).items():
+                where = Box.from_json(box).slices() if box is not None else ...
+                expected = full[name][where]
+                ok = ok and expected.dtype == data.dtype and torch.equal(_bits(expected), _bits(data))
+                covered[name][where] = True
+        out[step] = ok and all(bool(mask.all()) for mask in covered.values())
+    return out
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    return t.contiguous().view(torch.uint8)

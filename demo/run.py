@@ -114,6 +114,12 @@ def main() -> int:
         help="tiny: a tiny LM and the SGLang stand-in (quick); megatron: examples/megatron (megatron-core at "
         "TP 2 under torchrun, real SGLang at TP 2, a few minutes)",
     )
+    parser.add_argument(
+        "--train-tensor",
+        type=int,
+        help="with --example megatron: the trainer's tensor parallel size (parallelism.train.tensor); 1: "
+        "two data-parallel trainer ranks feeding SGLang at TP 2",
+    )
     args = parser.parse_args()
     # Ctrl-C or a kill still tears everything down (the ExitStack below runs on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -191,7 +197,7 @@ def main() -> int:
         job = yaml.safe_load(job_file.read_text())
         job["spec"]["metaStore"]["external"]["address"] = redis.addr
         if args.example == "megatron":
-            megatron.prepare(job, args.workdir, args.steps)
+            megatron.prepare(job, args.workdir, args.steps, train_tensor=args.train_tensor)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
         pods = wait(lambda: _running_pods(cluster, job["spec"]["numNodes"]), 120, "the job's pods Running")
         print(cluster.kubectl("get", "colocatejobs,pods", "-n", "demo", "-o", "wide").stdout, end="")
@@ -222,6 +228,11 @@ def main() -> int:
 
         say("7/7 summary")
         results = {i: _trainer_lines(logs / f"trainer-{i}.log") for i, _ in trainers}
+        if args.example == "megatron":  # SGLang's parameters against the trainer's, bit for bit
+            bitwise = megatron.bitwise_steps(args.workdir / "check")
+            for lines in results.values():
+                for record in lines:
+                    record["bitwise"] = bitwise.get(record.get("step", -1), False)
         _summary(status, results)
         ok = status.get("phase") == "Succeeded" and all(
             matches(r) for lines in results.values() for r in lines if "step" in r
@@ -271,6 +282,7 @@ def _start_tiny(
 def _start_megatron(
     stack: ExitStack, cluster: Cluster, job: dict, pods: list[dict], logs: Path, steps: int
 ) -> list[tuple[str, subprocess.Popen]]:
+    workdir = logs.parent
     say(f"6/7 per pod: the containers' own commands (torchrun + megatron-core, real SGLang), {steps} steps")
     trainers = []
     for pod in pods:
@@ -284,6 +296,7 @@ def _start_megatron(
         }
         base = {k: v for k, v in os.environ.items() if not k.startswith("COLOCATE_")}
         rollout_env = megatron.rollout_env({**base, **container_env(cluster, pod, "rollout"), **overrides})
+        rollout_env = megatron.with_dump(rollout_env, workdir)
         trainer_env = megatron.trainer_env({**base, **container_env(cluster, pod, "trainer"), **overrides})
         spawn(stack, megatron.rollout_argv(job, rollout_env), logs / f"rollout-{index}.log", rollout_env)
         trainer = spawn(
@@ -342,8 +355,10 @@ def _trainer_lines(log: Path) -> list[dict]:
 
 def matches(record: dict) -> bool:
     """The rollout engine holds the trainer's weights: the tiny trainer's bitwise check, or the megatron
-    example's greedy output equal to transformers' from the trainer's weights."""
-    return bool(record.get("rollout_matches_trainer", record.get("greedy_equal")))
+    example's parameters bit for bit and its greedy output equal to transformers' from the trainer's."""
+    if "rollout_matches_trainer" in record:
+        return bool(record["rollout_matches_trainer"])
+    return bool(record.get("greedy_equal") and record.get("bitwise"))
 
 
 def _summary(status: dict, results: dict[str, list[dict]]) -> None:

@@ -286,6 +286,14 @@ SGLANG_URL = Var(
     _CONFIG,
     default_doc="`http://127.0.0.1:<COLOCATE_ROLLOUT_PORT>`",
 )
+DUMP_INSTALLED_DIR = Var(
+    "COLOCATE_DUMP_INSTALLED_DIR",
+    str,
+    None,
+    "a debugging aid: each SGLang TP worker saves what it installed after every step "
+    "(`installed-step-S-rank-R.pt`: canonical name -> box, tensor) into this folder; unset: nothing saved",
+    ROLLOUT,
+)
 IPC_PREFLIGHT_WAIT_SECONDS = Var(
     "COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS",
     float,

@@ -71,6 +71,7 @@ from colocate_runtime.colocated.preflight_reader import PreflightResponder
 from colocate_runtime.colocated.reader import WeightReader
 from colocate_runtime.colocated.wiring import connect, importer_for, new_reader, new_responder
 from colocate_runtime.sglang.auto import AutoWiring, AutoWiringError, Worker, automatic_wiring
+from colocate_runtime.sglang.dump import dump_folder, dump_installed
 
 if TYPE_CHECKING:
     from colocate_runtime.colocated.exchange import ReshardExchange
@@ -323,7 +324,9 @@ def load_colocated_step(model: torch.nn.Module, named_tensors: Any) -> None:
         log.exception("colocated loader: no reader on this worker (%s); the step is not applied", err)
         return
     try:
-        reader.apply_next()
+        report = reader.apply_next()
+        if (folder := dump_folder()) is not None:
+            dump_installed(folder, report.step, _tp_rank(), reader.targets, reader.target_shards)
     except Exception as err:
         # A failure inside a claimed step is already in its error ACK and step events; one before any claim
         # (no step published in time, trainer lost) only in this log line and the reader's heartbeat state.
