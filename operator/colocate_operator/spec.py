@@ -83,7 +83,7 @@ class IpcPreflightSpec(_Model):
 
 
 class WeightSyncSpec(_Model):
-    transport: Literal["CudaIPC", "NCCL"] = "CudaIPC"
+    transport: Literal["CudaIPC"] = "CudaIPC"
     bucket_mb: int = Field(1024, alias="bucketMB")
     step_timeout_seconds: int = 600
     progress_deadline_seconds: int = 3600

@@ -104,7 +104,7 @@ def test_env_contract_in_both_containers() -> None:
         weightSync={
             "bucketMB": 256,
             "stepTimeoutSeconds": 120,
-            "transport": "NCCL",
+            "transport": "CudaIPC",
             "ipcPreflight": {"mode": "Fail", "timeoutSeconds": 30},
         },
         model={"arch": "qwen3_moe"},
@@ -122,7 +122,7 @@ def test_env_contract_in_both_containers() -> None:
         "COLOCATE_METASTORE_ADDR": "rl-metastore.team.svc.cluster.local:6379",
         "COLOCATE_BUCKET_MB": "256",
         "COLOCATE_STEP_TIMEOUT_SECONDS": "120",
-        "COLOCATE_TRANSPORT": "NCCL",
+        "COLOCATE_TRANSPORT": "CudaIPC",
         "COLOCATE_TRAIN_TP": "4",
         "COLOCATE_TRAIN_PP": "2",
         "COLOCATE_TRAIN_EP": "2",

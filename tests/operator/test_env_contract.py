@@ -35,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "inference": {"tensor": 8, "data": 4, "expert": 8},
         },
         "weightSync": {
-            "transport": "NCCL",
+            "transport": "CudaIPC",
             "bucketMB": 256,
             "stepTimeoutSeconds": 120,
             "verify": "SampledChecksum",

@@ -388,9 +388,14 @@ INVALID_CREATES = [
         "spec.parallelism.train.expert",
     ),
     (
-        "inference-layout-too-big",
-        {"parallelism": {"inference": {"tensor": 8, "data": 4}}},
-        "spec.parallelism.inference",
+        "inference-engine-wider-than-a-pod",
+        {"parallelism": {"inference": {"tensor": 16}}},
+        "spec.parallelism.inference.tensor",
+    ),
+    (
+        "inference-data-does-not-divide-tensor",
+        {"parallelism": {"inference": {"tensor": 8, "data": 3}}},
+        "spec.parallelism.inference.data",
     ),
     (
         "inference-expert-does-not-divide",
