@@ -12,6 +12,9 @@
 #               (the protocol's meta-store hops alone, no GPU work: bench/hop_bench.py)
 #               ("all" runs both; arguments after "bench" go to bench/colocated_bench.py; "copy --size-gb 8"
 #                compares ways to do the copy phase alone, against one flat copy)
+#               device run, carry [".device/sglang-gpu"], command "bash bench/colocated_device.sh sglang-gpu check"
+#               (real SGLang 0.5.17 with our loader over CUDA IPC: bench/sglang_gpu.py, whose arguments follow,
+#                e.g. "sglang-gpu bench --preset qwen3-8b"; here, first: bash scripts/sglang-gpu-carry.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -65,6 +68,27 @@ run_all_gpu_tests() {
         tests/runtime/test_colocated_exchange.py -m gpu -v -p no:cacheprovider
 }
 
+setup_sglang_gpu() {
+    # What scripts/sglang-gpu-carry.sh packed: SGLang 0.5.17, the trimmed kernel, the light packages, Redis.
+    local carry=$REPO/.device/sglang-gpu
+    [ -d "$carry" ] || { echo "no $carry: run 'bash scripts/sglang-gpu-carry.sh' here and carry .device/sglang-gpu"; exit 2; }
+    mkdir -p /tmp/site
+    [ -d "$CARRY" ] || tar -C "$REPO/.device" -xJf "$carry/colocated.tar.xz"
+    local f
+    if [ ! -f /tmp/site/.sglang-gpu ]; then  # once per machine (a warm machine keeps /tmp)
+        for f in "$carry"/site.tar.xz "$carry"/sglang-*.tar.xz "$carry"/sglang_kernel-*.tar.xz; do
+            tar -C /tmp/site -xJf "$f"
+        done
+        touch /tmp/site/.sglang-gpu
+    fi
+    setup_device
+    # First on the path: our flashinfer stub (tests/sglang_gpu/stubs/sitecustomize.py says why).
+    export PYTHONPATH=$REPO/tests/sglang_gpu/stubs:$PYTHONPATH
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export SGLANG_IS_FLASHINFER_AVAILABLE=false
+    python3 -c 'import sglang, sgl_kernel, torch_memory_saver, transformers; print("sglang", sglang.__version__, "transformers", transformers.__version__)'
+}
+
 run_bench() {
     python3 bench/colocated_bench.py "$@"
 }
@@ -78,5 +102,6 @@ case "${1:-}" in
     step) shift; setup_device; python3 bench/step_bench.py "$@" ;;
     hops) shift; setup_device; python3 -m bench.hop_bench "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]"; exit 2 ;;
+    sglang-gpu) shift; setup_sglang_gpu; python3 bench/sglang_gpu.py "$@" ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]|sglang-gpu [args]"; exit 2 ;;
 esac
