@@ -16,11 +16,17 @@ Modes (trainer side):
              converted and packed into buckets, then copied (the fallback)
   packed     the DDP buffer, converted and packed every step (the path before the one-pass update)
 
+`--via publisher` drives the inplace and kept modes through the trainer-side facade users call,
+`colocate_runtime.megatron.Publisher.update` (engine=False: the reader here is not an SGLang server), so the
+figure includes the facade's own work (the move check, the outcome agreement); `--via writer` calls the
+writer directly.
+
 Every run checks the installed bytes against the reference conversion (`TrainerRankPlan.convert`), bit for
 bit, over every canonical piece (random bit patterns, NaN payloads included). Figures are medians of the
 timed steps (after one warm-up); one JSON line per preset and mode goes to bench/results/step.jsonl.
 
     python bench/step_bench.py --preset qwen3-30b-a3b qwen3-30b-a3b-tp2ep8 qwen3-8b   # on an H200
+    python bench/step_bench.py --via publisher --modes kept --preset qwen3-30b-a3b    # through the facade
     python bench/step_bench.py --device cpu --preset tiny                             # smoke test
 """
 
@@ -31,6 +37,7 @@ import itertools
 import json
 import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -191,6 +198,59 @@ def megatron_rank(tplan, mode: str, device):  # type: ignore[no-untyped-def]
     return buffer, tensors, total
 
 
+class TensorChunk:
+    """What the Publisher reads from a model chunk, for a rank made of bare tensors: its state dict (the
+    tensors themselves), its parameters and Megatron's padded vocabulary size."""
+
+    def __init__(self, tensors: dict, vocab_size: int) -> None:
+        self.tensors = tensors
+        self.vocab_size = vocab_size
+
+    def state_dict(self, keep_vars: bool = False) -> dict:
+        return dict(self.tensors)
+
+    def parameters(self):  # type: ignore[no-untyped-def]
+        return iter(self.tensors.values())
+
+
+def new_publisher(preset: Preset, tplan, tensors: dict, env: dict, mode: str):  # type: ignore[no-untyped-def]
+    """The facade over this bare rank: a one-rank gloo world, the rank's coordinates given (no megatron-core
+    here), no engine (the reader process stands in for SGLang's worker)."""
+    import torch.distributed as dist
+
+    from colocate_runtime.convert import MegatronRank
+    from colocate_runtime.megatron import Publisher
+    from colocate_runtime.megatron.parallel import ParallelState
+
+    if not dist.is_initialized():
+        with socket.socket() as probe:  # a free port for the one-rank world's store
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    lay, rank = tplan.layout, tplan.rank
+    state = ParallelState(
+        tp=lay.tp,
+        tp_rank=rank.tp_rank,
+        pp=1,
+        pp_rank=0,
+        ep=lay.ep,
+        ep_rank=rank.ep_rank,
+        etp=lay.expert_tp,
+        etp_rank=rank.etp_rank,
+        vpp=1,
+        num_layers=tplan.spec.num_layers,
+    )
+    rows = lay.groups(tplan.spec, MegatronRank()).embedding_rows
+    return Publisher(
+        TensorChunk(tensors, rows),
+        hf_config=preset.model,
+        environ=env,
+        keep_mapped=mode == "kept",
+        engine=False,
+        parallel_state=state,
+    )
+
+
 def flat_copy_seconds(nbytes: int, device, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
     """The floor: one device copy of `nbytes` between two flat buffers, best of `repeat`."""
     import torch
@@ -250,7 +310,12 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         stdout=subprocess.PIPE,
         text=True,
     )
-    writer = new_writer(ColocateConfig.from_env(env), device=device if device.type == "cuda" else None)
+    publisher = None
+    if args.via == "publisher" and mode in ("inplace", "kept"):
+        publisher = new_publisher(PRESETS[name], tplan, tensors, env, mode)
+        writer = publisher.writer
+    else:
+        writer = new_writer(ColocateConfig.from_env(env), device=device if device.type == "cuda" else None)
     steps = []
     shares: list[tuple[object, ...]] = []  # per step: which export of each kept bucket it published
     try:
@@ -258,12 +323,18 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         pieces = tplan.bind(tensors)
         adopt = args.min_adopt_mb << 20
         layout = writer.in_place_layout(pieces, min_adopt_bytes=adopt) if mode != "packed" else None
+        if publisher is not None:
+            layout = publisher.layout  # compiled by the Publisher from the same tensors
         compile_s = time.perf_counter() - t0
         for step in range(1, args.steps + 1):
             next(iter(tensors.values())).view(torch.int16)[::4096].add_(step)  # the training step's writes
             sync(device)
             t0 = time.perf_counter()
-            if layout is None:
+            if publisher is not None:
+                t_convert = t0
+                report = publisher.update(step)
+                pending = publisher.last_pending
+            elif layout is None:
                 converted = tplan.convert(tensors)
                 t_convert = time.perf_counter()
                 pending = writer.publish(
@@ -272,8 +343,9 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             else:
                 t_convert = t0
                 pending = writer.publish_in_place(step, layout, keep_mapped=mode == "kept")
+            if publisher is None:
+                report = writer.wait_and_free(pending)
             published = list(pending.buckets)
-            report = writer.wait_and_free(pending)
             total = time.perf_counter() - t0
             steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
             ack = writer.store.read_ack(writer.gen, step, writer.uuid)  # outside the timed step
@@ -286,7 +358,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         last_kept = [b.descriptor for b in published if ack is not None and b.index in ack.kept]
         shares_before = [_count(d) for d in last_kept]
     finally:
-        writer.close()
+        (publisher or writer).close()
         if reader.poll() is None:
             reader.kill()
     shares_after = [_count(d) for d in last_kept]
@@ -313,6 +385,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     return {
         "preset": name,
         "mode": mode,
+        "via": "publisher" if publisher is not None else "writer",
         "ms": med(timed, "total"),
         "floor_ms": floor_s * 1e3,
         "gb": nbytes / 1e9,
@@ -391,6 +464,12 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=2048)
     p.add_argument("--min-adopt-mb", type=int, default=256, help="smallest storage exported in place")
     p.add_argument("--no-save", action="store_true", help="do not append to bench/results/step.jsonl")
+    p.add_argument(
+        "--via",
+        choices=("writer", "publisher"),
+        default="writer",
+        help="inplace/kept: call the writer, or go through colocate_runtime.megatron.Publisher",
+    )
     args = p.parse_args()
     if args.role == "reader":
         run_reader(args)

@@ -32,15 +32,22 @@ class Agreement:
     """All-gathers each rank's outcome of a phase (None = ok) over a gloo group of its own."""
 
     def __init__(self, timeout_s: float) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        # One rank alone agrees with itself: no group, no collective on its step path.
+        self.group = (
+            None
+            if self.world == 1
+            else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        )
 
     def outcomes(self, error: BaseException | str | None) -> dict[int, str]:
         """Collective: the failed ranks (global rank -> message) as every rank sees them."""
         mine = None if error is None else (error if isinstance(error, str) else describe(error))
-        gathered: list[str | None] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.group)
+        gathered: list[str | None] = [mine]
+        if self.group is not None:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, mine, group=self.group)
         return {rank: msg for rank, msg in enumerate(gathered) if msg is not None}
 
     def check(self, what: str, error: BaseException | str | None) -> None:
@@ -52,6 +59,8 @@ class Agreement:
             raise RankFailed(f"{what} failed on rank {first}: {failed[first]}{others}", failed=failed)
 
     def gather(self, value: object) -> list[object]:
+        if self.group is None:
+            return [value]
         out: list[object] = [None] * self.world
         dist.all_gather_object(out, value, group=self.group)
         return out

@@ -39,6 +39,7 @@ from colocate_runtime.convert.trainer import TrainerRankPlan, trainer_plan
 from colocate_runtime.megatron.agree import Agreement, RankFailed
 from colocate_runtime.megatron.hf_config import HFConfig, load_hf_config
 from colocate_runtime.megatron.parallel import (
+    ParallelState,
     layout_of,
     named_tensors,
     read_parallel_state,
@@ -61,12 +62,17 @@ class Publisher:
         environ: Mapping[str, str] | None = None,
         keep_mapped: bool = False,
         engine_ready_s: float = 600.0,
+        engine: bool = True,
+        parallel_state: ParallelState | None = None,
     ) -> None:
         """Collective: every trainer rank constructs it at once. `model` is the rank's model chunk, or its
         list of chunks under a virtual pipeline, wrapped in DDP or not. `hf_config` defaults to
         `COLOCATE_MODEL_CONFIG` (the folder SGLang's `--model-path` names, or its config.json).
         `keep_mapped=True` lets SGLang keep the buffers mapped between steps (faster; only when the trainer
-        never frees or moves its parameters, i.e. no offloading)."""
+        never frees or moves its parameters, i.e. no offloading). `engine=False`: no rank speaks to SGLang
+        (a framework that drives the engine itself, or a benchmark whose reader runs on its own); `update`
+        then publishes and agrees on the readers' outcome. `parallel_state`: the rank's coordinates when
+        megatron-core's `parallel_state` is not initialized (read from it otherwise)."""
         environ = os.environ if environ is None else environ
         self.cfg = ColocateConfig.from_env(environ)
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
@@ -76,14 +82,17 @@ class Publisher:
         self.local_rank = int(environ.get("LOCAL_RANK", "0"))
         self.rollout: ColocatedRollout | None = None  # set on the rank that drives this pod's engine
         self.writer: WeightWriter | None = None
-        self.plan = self._plan(hf_config, environ)
+        self.plan = self._plan(hf_config, environ, parallel_state)
         self._released = False
         self.last_report: StepReport | None = None
-        self._start(environ, engine_ready_s)
+        self.last_pending: PendingStep | None = None  # the last step published (its buckets, for diagnostics)
+        self._start(environ, engine_ready_s, engine)
 
     # --- start --------------------------------------------------------------------------------------------
 
-    def _plan(self, hf_config: HFConfig | None, environ: Mapping[str, str]) -> TrainerRankPlan:
+    def _plan(
+        self, hf_config: HFConfig | None, environ: Mapping[str, str], given: ParallelState | None
+    ) -> TrainerRankPlan:
         ref = hf_config if hf_config is not None else environ.get("COLOCATE_MODEL_CONFIG")
         error: BaseException | None = None
         plan = None
@@ -91,7 +100,7 @@ class Publisher:
             if ref is None:
                 raise ValueError("no model config: pass hf_config= or set COLOCATE_MODEL_CONFIG")
             spec = model_spec(load_hf_config(ref), dtype=self._param_dtype())
-            state = read_parallel_state(self.chunks)
+            state = given if given is not None else read_parallel_state(self.chunks)
             tensors = [named_tensors(chunk) for chunk in self.chunks]
             layout, rank = layout_of(spec, state, tensors, vocab_divisor(state, self.chunks))
             plan = trainer_plan(spec, layout, rank)
@@ -107,10 +116,10 @@ class Publisher:
                 return dtype_name(str(p.dtype))
         raise ValueError("the model chunk has no floating-point parameter")
 
-    def _start(self, environ: Mapping[str, str], engine_ready_s: float) -> None:
+    def _start(self, environ: Mapping[str, str], engine_ready_s: float, engine: bool) -> None:
         """The engine first (its workers answer each writer's IPC preflight), then every rank's writer."""
         error: BaseException | None = None
-        if self.local_rank == 0:
+        if engine and self.local_rank == 0:
             try:
                 client = SGLangClient(self.cfg.sglang_url, api_key=self.cfg.sglang_api_key)
                 client.wait_ready(engine_ready_s)
@@ -189,7 +198,7 @@ class Publisher:
         paused with its weights resumed, and calling `update` again retries the step."""
         version = str(step) if weight_version is None else weight_version
         self.before_training()
-        pending = self._publish(step, version)
+        pending = self.last_pending = self._publish(step, version)
         settled: list[bool] = []
         settle_error: RankFailed | None = None
         http_error: BaseException | None = None
