@@ -114,6 +114,7 @@ def train_step(model: Any, optimizer: Any, seqs: torch.Tensor, reward: torch.Ten
     """One policy-gradient step on this data-parallel rank's share: advantages normalized per prompt group,
     loss = mean over completion tokens of advantage x (-log p)."""
     from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
 
     grouped = reward.view(-1, group)
     adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
@@ -129,7 +130,7 @@ def train_step(model: Any, optimizer: Any, seqs: torch.Tensor, reward: torch.Ten
     completion = nll[:, PROMPT_LEN - 1 :].float()
     loss = (adv.to(device)[:, None] * completion).mean()
     loss.backward()
-    model.finish_grad_sync()
+    finalize_model_grads([model])  # DP reduce-scatter, and the TP all-reduce of replicated norms (q/k norm)
     optimizer.step()
     return float(loss)
 
