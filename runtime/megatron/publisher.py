@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -176,7 +177,7 @@ class Publisher:
         return seen
 
     def _moved(self) -> bool:
-        return any(t.untyped_storage().data_ptr() != ptr for t, ptr in self._where.values())
+        return storages_moved(self._where)
 
     # --- one step -----------------------------------------------------------------------------------------
 
@@ -249,12 +250,7 @@ class Publisher:
         return pending
 
     def _sync_params(self) -> None:
-        """Under `overlap_param_gather` the optimizer's all-gather of updated parameters runs at the next
-        forward pass: until then the DDP buffers hold this rank's shard fresh and the rest stale."""
-        for chunk in self.chunks:
-            ddp = getattr(chunk, "ddp_config", None)
-            if ddp is not None and getattr(ddp, "overlap_param_gather", False):
-                chunk.start_param_sync(force_sync=True)
+        sync_deferred_params(self.chunks)
 
     def _settle(self, step: int, pending: PendingStep, error: BaseException | None = None) -> StepReport:
         """Collective: wait for this rank's reader to install and free the buckets; every rank learns all
@@ -316,3 +312,18 @@ class Publisher:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def storages_moved(where: Mapping[int, tuple[torch.Tensor, int]]) -> bool:
+    """Has any bound storage a new address (freed and refilled, or a parameter's data swapped)?"""
+    return any(t.untyped_storage().data_ptr() != ptr for t, ptr in where.values())
+
+
+def sync_deferred_params(chunks: Sequence[Any]) -> None:
+    """Under `overlap_param_gather` the optimizer's all-gather of updated parameters runs at the next
+    forward pass: until then the DDP buffers hold this rank's shard fresh and the rest stale. Megatron's own
+    switch forces it now (what other frameworks call before reading the weights)."""
+    for chunk in chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and getattr(ddp, "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)

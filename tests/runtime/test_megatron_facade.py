@@ -143,3 +143,41 @@ def test_one_ranks_failure_fails_the_phase_on_every_rank_with_the_same_message()
     ((message, failed),) = results[0]
     assert message == "publishing step 3 failed on rank 1: ValueError: disk full"
     assert failed == {1: "ValueError: disk full"}
+
+
+def test_an_offload_and_reload_of_a_buffer_is_seen_as_a_move() -> None:
+    """Megatron's offload_to_cpu frees a DDP buffer's storage (resize to 0) and its reload allocates it again
+    (the views stay valid): only the storage's address tells. A parameter whose data was swapped for another
+    tensor is seen the same way."""
+    from colocate_runtime.megatron.publisher import Publisher, storages_moved
+
+    buffer = torch.zeros(1 << 16)
+    param = torch.nn.Parameter(buffer[:100].view(10, 10))
+    where = Publisher._addresses([{"a": param, "b": buffer[100:200]}])
+    assert len(where) == 1 and not storages_moved(where)
+    storage = buffer.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    blocker = torch.empty(nbytes, dtype=torch.uint8)  # takes the freed block: the reload lands elsewhere
+    storage.resize_(nbytes)
+    assert storages_moved(where)
+    del blocker
+    where = Publisher._addresses([{"a": param}])
+    param.data = torch.ones(10, 10)
+    assert storages_moved(where)
+
+
+def test_parameters_whose_gather_megatron_deferred_are_synced_first() -> None:
+    from colocate_runtime.megatron.publisher import sync_deferred_params
+
+    class Chunk:
+        def __init__(self, overlap: bool) -> None:
+            self.ddp_config = type("DDPConfig", (), {"overlap_param_gather": overlap})()
+            self.calls: list[dict] = []
+
+        def start_param_sync(self, **kwargs: object) -> None:
+            self.calls.append(kwargs)
+
+    deferred, eager = Chunk(True), Chunk(False)
+    sync_deferred_params([deferred, eager, torch.nn.Linear(2, 2)])
+    assert deferred.calls == [{"force_sync": True}] and eager.calls == []
