@@ -648,6 +648,16 @@ def run_check(args: argparse.Namespace) -> int:
 # --- bench -----------------------------------------------------------------------------------------------
 
 
+class ResidentRollout(ColocatedRollout):
+    """The weights stay resident while training (only the KV cache and CUDA graphs are released): for a
+    trainer that fits beside them. `install_weights` then has no weights to resume (the client tracks
+    the tags)."""
+
+    def before_training(self) -> None:
+        self.client.pause_generation(self.pause_mode)
+        self.client.release_memory_occupation(["kv_cache", "cuda_graph"])
+
+
 class Piece:
     """A SourcePiece of the in-place layout: one SGLang parameter's view of the trainer's buffer."""
 
@@ -706,7 +716,7 @@ ENGINE_PHASES = (
 )
 
 
-def bench_preset(args: argparse.Namespace, preset: str, redis: RedisServer, root: Path) -> dict:
+def bench_preset(args: argparse.Namespace, preset: str, redis: RedisServer, root: Path) -> list[dict]:
     config, mem = PRESETS[preset]
     work = root / f"bench-{preset}"
     t0 = time.perf_counter()
@@ -723,104 +733,105 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: RedisServer, root
         nbytes = sum(int(torch.Size(p["shape"]).numel()) * 2 for p in params.values())
         log(f"{preset}: {len(params)} parameters, {nbytes / 1e9:.2f} GB")
         writer = new_writer(engine.cfg(), device=0)
-        floor = None
-        rows = []
+        lines = []
         try:
             # Training holds the GPU: SGLang released first, then the trainer's weights exist.
-            rollout.before_training()
+            ColocatedRollout(client).before_training()
             buf, views = trainer_buffer(params, "cuda")
             floor = copy_floor_ms(buf)
             layout = writer.in_place_layout([Piece(n, t) for n, t in views.items()])
             adopted, packed = len(layout.adopted), layout.packed_bytes
             log(f"{preset}: floor {floor:.2f} ms; layout: {adopted} storages adopted, {packed} B packed")
-            for i in range(args.warmup + args.steps):
-                step = i + 1
-                if i:
-                    rollout.before_training()
-                client.phases.pop("publish", None)
-                views[next(iter(views))].add_(1)  # "training": the step's weights differ from the last
-                sync()
-                with client.timed("publish"):
-                    pending = writer.publish_in_place(
-                        step, layout, weight_version=f"v{step}", keep_mapped=True
+            step = 0
+            for mode in args.modes:
+                rollout = ColocatedRollout(client) if mode == "release-all" else ResidentRollout(client)
+                rows = []
+                for i in range(args.warmup + args.steps):
+                    step += 1
+                    if i or mode != args.modes[0]:
+                        rollout.before_training()
+                    views[next(iter(views))].add_(1)  # "training": the step's weights differ from the last
+                    sync()
+                    with client.timed("publish"):
+                        pending = writer.publish_in_place(
+                            step, layout, weight_version=f"v{step}", keep_mapped=True
+                        )
+
+                    def confirm(p=pending):
+                        with client.timed("confirm"):
+                            return writer.wait_and_free(p)
+
+                    client.phases["resume_weights"] = 0.0  # no call where the weights stayed resident
+                    report = rollout.install_weights(f"v{step}", confirm=confirm)
+                    t_gen = time.perf_counter()
+                    engine.generate(tokens=1)
+                    gen_ms = (time.perf_counter() - t_gen) * 1e3
+                    phases = {k: round(client.phases[k], 3) for k in ENGINE_PHASES}
+                    reader = engine.reader_phases(step)
+                    trainer = {k: round(v * 1e3, 3) for k, v in report.phase_seconds.items()}
+                    rows.append(
+                        {
+                            "phases_ms": phases,
+                            "reader_ms": reader,
+                            "trainer_ms": trainer,
+                            "first_token_ms": round(gen_ms, 3),
+                        }
                     )
-
-                def confirm(p=pending):
-                    with client.timed("confirm"):
-                        return writer.wait_and_free(p)
-
-                report = rollout.install_weights(f"v{step}", confirm=confirm)
-                t_gen = time.perf_counter()
-                engine.generate(tokens=1)
-                gen_ms = (time.perf_counter() - t_gen) * 1e3
-                phases = {k: round(client.phases[k], 3) for k in ENGINE_PHASES}
-                reader = engine.reader_phases(step)
-                trainer = {k: round(v * 1e3, 3) for k, v in report.phase_seconds.items()}
-                rows.append(
-                    {
-                        "phases_ms": phases,
-                        "reader_ms": reader,
-                        "trainer_ms": trainer,
-                        "first_token_ms": round(gen_ms, 3),
-                    }
-                )
-                log(f"{preset} step {step}: total {sum(phases.values()):.1f} ms {phases} reader {reader}")
-            # Bitwise: SGLang's parameters against the trainer's buffer, digested on the GPU by both sides.
-            ours = {n: digest(t) for n, t in views.items()}
-            torch.cuda.empty_cache()
-            theirs = engine.probe("digests")
-            wrong = [n for n in ours if theirs.get(n) != ours[n]]
-            moved = [n for n, p in engine.probe("meta")["params"].items() if ptrs0.get(n) != p["ptr"]]
+                    total = sum(phases.values())
+                    log(f"{preset} {mode} step {step}: total {total:.1f} ms {phases} reader {reader}")
+                # Bitwise: SGLang's parameters against the trainer's buffer, digested on the GPU by both.
+                ours = {n: digest(t) for n, t in views.items()}
+                torch.cuda.empty_cache()
+                theirs = engine.probe("digests")
+                wrong = [n for n in ours if theirs.get(n) != ours[n]]
+                moved = [n for n, p in engine.probe("meta")["params"].items() if ptrs0.get(n) != p["ptr"]]
+                line = _bench_line(args, preset, mode, client, rows[args.warmup :], floor, wrong, moved)
+                line.update(bytes=nbytes, params=len(params), start_s=round(start_s, 1))
+                kv = [ln for ln in engine.log.read_text(errors="replace").splitlines() if "KV Cache is" in ln]
+                if kv:
+                    line["kv_cache"] = kv[-1].split("allocated.", 1)[-1].strip()
+                log(json.dumps(line))
+                lines.append(line)
         finally:
             writer.close()
-        timed = rows[args.warmup :]
-        phases_ms = {k: round(statistics.median(r["phases_ms"][k] for r in timed), 3) for k in ENGINE_PHASES}
-        reader_keys = sorted({k for r in timed for k in r["reader_ms"]})
-        reader_ms = {
-            k: round(statistics.median(r["reader_ms"].get(k, 0) for r in timed), 3) for k in reader_keys
-        }
-        trainer_keys = sorted({k for r in timed for k in r["trainer_ms"]})
-        trainer_ms = {
-            k: round(statistics.median(r["trainer_ms"].get(k, 0) for r in timed), 3) for k in trainer_keys
-        }
-        totals = [sum(r["phases_ms"].values()) for r in timed]
-        line = {
-            "preset": preset,
-            "sglang_version": client.engine.version,
-            "phases_ms": phases_ms,
-            "total_ms": round(statistics.median(totals), 3),
-            "after_training_ms": round(
-                statistics.median(
-                    sum(v for k, v in r["phases_ms"].items() if k not in ("pause", "release")) for r in timed
-                ),
-                3,
-            ),
-            "floor_ms": round(floor, 3) if floor is not None else None,
-            "bitwise": not wrong,
-            "addresses_kept": not moved,
-            "reader_ms": reader_ms,
-            "trainer_ms": trainer_ms,
-            "first_token_ms": round(statistics.median(r["first_token_ms"] for r in timed), 3),
-            "bytes": nbytes,
-            "params": len(params),
-            "steps": len(timed),
-            "totals_ms": [round(t, 3) for t in totals],
-            "start_s": round(start_s, 1),
-            "device": device_name(),
-            "commit": commit(),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        kv = [
-            ln for ln in engine.log.read_text(errors="replace").splitlines() if "KV Cache is allocated" in ln
-        ]
-        if kv:
-            line["kv_cache"] = kv[-1].split("allocated.", 1)[-1].strip()
-        if wrong:
-            line["wrong"] = wrong[:5]
-        return line
+            torch.cuda.ipc_collect()
+        return lines
     finally:
         engine.stop()
         _keep(args, engine.log, f"bench-{preset}.log")
+
+
+def _bench_line(args, preset, mode, client, timed, floor, wrong, moved) -> dict:
+    phases_ms = {k: round(statistics.median(r["phases_ms"][k] for r in timed), 3) for k in ENGINE_PHASES}
+
+    def med(key: str) -> dict:
+        keys = sorted({k for r in timed for k in r[key]})
+        return {k: round(statistics.median(r[key].get(k, 0) for r in timed), 3) for k in keys}
+
+    totals = [sum(r["phases_ms"].values()) for r in timed]
+    after = [sum(v for k, v in r["phases_ms"].items() if k not in ("pause", "release")) for r in timed]
+    line = {
+        "preset": preset,
+        "mode": mode,
+        "sglang_version": client.engine.version,
+        "phases_ms": phases_ms,
+        "total_ms": round(statistics.median(totals), 3),
+        "after_training_ms": round(statistics.median(after), 3),
+        "floor_ms": round(floor, 3),
+        "bitwise": not wrong,
+        "addresses_kept": not moved,
+        "reader_ms": med("reader_ms"),
+        "trainer_ms": med("trainer_ms"),
+        "first_token_ms": round(statistics.median(r["first_token_ms"] for r in timed), 3),
+        "steps": len(timed),
+        "totals_ms": [round(t, 3) for t in totals],
+        "device": device_name(),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if wrong:
+        line["wrong"] = wrong[:5]
+    return line
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -831,15 +842,14 @@ def run_bench(args: argparse.Namespace) -> int:
         try:
             for preset in args.preset:
                 try:
-                    line = bench_preset(args, preset, redis, root)
+                    got = bench_preset(args, preset, redis, root)
                 except Exception as err:
                     log(f"{preset}: FAILED {type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}")
                     continue
-                lines.append(line)
-                print(json.dumps(line), flush=True)
+                lines += got
                 if args.record:
                     with open(args.results, "a") as f:
-                        f.write(json.dumps(line) + "\n")
+                        f.writelines(json.dumps(x) + "\n" for x in got)
         finally:
             redis.stop()
     if args.out:
@@ -853,7 +863,8 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{x['preset']:15s} {x['total_ms']:8.1f} {x['floor_ms']:7.1f} {x['bitwise']!s:7s} "
             + " ".join(f"{x['phases_ms'][p]:10.2f}" for p in ENGINE_PHASES)
         )
-    return 0 if len(lines) == len(args.preset) and all(x["bitwise"] for x in lines) else 1
+    ok = len(lines) == len(args.preset) * len(args.modes) and all(x["bitwise"] for x in lines)
+    return 0 if ok else 1
 
 
 # --- plumbing --------------------------------------------------------------------------------------------
@@ -896,6 +907,13 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.choices["bench"]
     b.add_argument("--preset", nargs="+", default=["qwen3-8b"], choices=sorted(PRESETS))
     b.add_argument("--warmup", type=int, default=1)
+    b.add_argument(
+        "--modes",
+        nargs="+",
+        default=["release-all"],
+        choices=("release-all", "weights-resident"),
+        help="release-all: ColocatedRollout as it is; weights-resident: the weights are not released",
+    )
     b.add_argument("--steps", type=int, default=5)
     b.add_argument("--results", default=str(RESULTS))
     b.add_argument("--no-record", dest="record", action="store_false")
