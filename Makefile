@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 BIN_DIR = $$(bash scripts/build-tools.sh)
 
-.PHONY: setup test test-unit lint demo cluster-up cluster-down chart-crd
+.PHONY: setup test test-unit lint demo cluster-up cluster-down chart-crd images
 
 setup:
 	@bash scripts/setup.sh
@@ -34,3 +34,8 @@ cluster-down:
 ## The chart ships a copy of the CRD (Helm installs crds/ before templates); a test checks they match.
 chart-crd:
 	@cp operator/crds/colocatejobs.colocate.dev.yaml charts/colocate-operator/crds/
+
+## Container images built here without a registry (Debian base by mmdebstrap, pause, the operator from the
+## Dockerfile); cached, skipped when their inputs did not change. Needs root.
+images: setup
+	@bash scripts/build-images.sh >/dev/null
