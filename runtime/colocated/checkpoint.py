@@ -9,7 +9,7 @@ rank acknowledged it, or once `spec.runPolicy.suspendGracePeriodSeconds` ran out
     start = requests.resume_step() or 0       # after a resume: the step the last checkpoint was taken after
     for step in range(start + 1, steps + 1):
         ...                                   # train
-        writer.update(step, tensors)          # the step's weight sync, finished
+        publisher.update(step)                # the step's weight sync, installed in SGLang
         if requests.at_step_boundary(step):   # one GET; on a request: save_checkpoint(step), then the ACK
             break                             # the operator deletes the pods
 
