@@ -12,7 +12,9 @@
 # Prints the directory holding the binaries as its last line.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm kubelet)
+# kubelet runs only on the real node (devcluster/realnode.py): a prebuilt COLOCATE_BIN_DIR may lack it.
+optional=(kubelet)
 # kwok needs stage definitions (how fake nodes and pods move through their lifecycle); we take the ones its
 # module ships and keep them beside the binaries.
 kwok_stages=(node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml
@@ -22,6 +24,7 @@ log() { printf '[build-tools] %s\n' "$*" >&2; }
 
 if [ -n "${COLOCATE_BIN_DIR:-}" ]; then
   for b in "${binaries[@]}" kwok-stages.yaml; do
+    [[ " ${optional[*]} " == *" $b "* ]] && continue
     [ -e "$COLOCATE_BIN_DIR/$b" ] || { log "COLOCATE_BIN_DIR=$COLOCATE_BIN_DIR has no '$b'"; exit 1; }
   done
   echo "$COLOCATE_BIN_DIR"; exit 0
@@ -89,7 +92,7 @@ if [ ! -s "$out/kwok-stages.yaml" ]; then
   mv "$out/kwok-stages.yaml.tmp" "$out/kwok-stages.yaml"
 fi
 if need helm; then ldflags="-s -w" build "$root/tools/helm" helm.sh/helm/v4/cmd/helm; fi
-if need kube-apiserver kube-controller-manager kube-scheduler kubectl; then
+if need kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; then
   minor=$(echo "$kube_version" | cut -d. -f2)
   ldflags="-s -w"
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -98,7 +101,7 @@ if need kube-apiserver kube-controller-manager kube-scheduler kubectl; then
   done
   log "Kubernetes $kube_version from source: about 7-25 minutes on 2 cores"
   build "$root/tools/k8s" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kubelet
 fi
 
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || { log "build finished but '$b' is missing in $out"; exit 1; }; done
