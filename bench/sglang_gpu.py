@@ -834,7 +834,29 @@ def _bench_line(args, preset, mode, client, timed, floor, wrong, moved) -> dict:
     return line
 
 
+def run_each_preset(args: argparse.Namespace) -> int:
+    """One trainer process per preset: a process that kept a CUDA IPC mapping alive in a stopped SGLang keeps
+    that buffer (torch holds an export until its consumer lets go), which starves the next preset."""
+    status, lines = 0, []
+    for preset in args.preset:
+        cmd = [sys.executable, __file__, "bench", "--preset", preset, "--modes", *args.modes]
+        cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--results", args.results]
+        cmd += [] if args.record else ["--no-record"]
+        cmd += ["--keep-dir", args.keep_dir] if args.keep_dir else []
+        fd, name = tempfile.mkstemp(suffix=".jsonl")
+        os.close(fd)
+        out = Path(name)
+        status |= subprocess.run([*cmd, "--out", str(out)], check=False).returncode
+        lines += out.read_text().splitlines()
+        out.unlink()
+    if args.out:
+        Path(args.out).write_text("".join(x + "\n" for x in lines))
+    return status
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if len(args.preset) > 1:
+        return run_each_preset(args)
     lines = []
     with tempfile.TemporaryDirectory(prefix="sglang-gpu-") as tmp:
         root = Path(tmp)
@@ -878,6 +900,9 @@ def _keep(args: argparse.Namespace, path: Path, name: str) -> None:
 
 
 def commit() -> str:
+    """COLOCATE_COMMIT when set (the device's tree may carry another checkout's git), else HEAD."""
+    if os.environ.get("COLOCATE_COMMIT"):
+        return os.environ["COLOCATE_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
