@@ -648,16 +648,6 @@ def run_check(args: argparse.Namespace) -> int:
 # --- bench -----------------------------------------------------------------------------------------------
 
 
-class ResidentRollout(ColocatedRollout):
-    """The weights stay resident while training (only the KV cache and CUDA graphs are released): for a
-    trainer that fits beside them. `install_weights` then has no weights to resume (the client tracks
-    the tags)."""
-
-    def before_training(self) -> None:
-        self.client.pause_generation(self.pause_mode)
-        self.client.release_memory_occupation(["kv_cache", "cuda_graph"])
-
-
 class Piece:
     """A SourcePiece of the in-place layout: one SGLang parameter's view of the trainer's buffer."""
 
@@ -744,7 +734,7 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: RedisServer, root
             log(f"{preset}: floor {floor:.2f} ms; layout: {adopted} storages adopted, {packed} B packed")
             step = 0
             for mode in args.modes:
-                rollout = ColocatedRollout(client) if mode == "release-all" else ResidentRollout(client)
+                rollout = ColocatedRollout(client, release_weights=mode == "release-all")
                 rows = []
                 for i in range(args.warmup + args.steps):
                     step += 1

@@ -65,6 +65,7 @@ class Publisher:
         engine_ready_s: float = 600.0,
         engine: bool = True,
         parallel_state: ParallelState | None = None,
+        release_weights: bool = True,
     ) -> None:
         """Collective: every trainer rank constructs it at once. `model` is the rank's model chunk, or its
         list of chunks under a virtual pipeline, wrapped in DDP or not. `hf_config` defaults to
@@ -73,7 +74,9 @@ class Publisher:
         never frees or moves its parameters, i.e. no offloading). `engine=False`: no rank speaks to SGLang
         (a framework that drives the engine itself, or a benchmark whose reader runs on its own); `update`
         then publishes and agrees on the readers' outcome. `parallel_state`: the rank's coordinates when
-        megatron-core's `parallel_state` is not initialized (read from it otherwise)."""
+        megatron-core's `parallel_state` is not initialized (read from it otherwise).
+        `release_weights=False`: SGLang keeps its weights on the GPU during training (only its KV cache and
+        CUDA graphs are released), for a trainer that fits beside them: a much shorter update."""
         environ = os.environ if environ is None else environ
         self.cfg = ColocateConfig.from_env(environ)
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
@@ -87,7 +90,7 @@ class Publisher:
         self._released = False
         self.last_report: StepReport | None = None
         self.last_pending: PendingStep | None = None  # the last step published (its buckets, for diagnostics)
-        self._start(environ, engine_ready_s, engine)
+        self._start(environ, engine_ready_s, engine, release_weights)
 
     # --- start --------------------------------------------------------------------------------------------
 
@@ -117,14 +120,16 @@ class Publisher:
                 return dtype_name(str(p.dtype))
         raise ValueError("the model chunk has no floating-point parameter")
 
-    def _start(self, environ: Mapping[str, str], engine_ready_s: float, engine: bool) -> None:
+    def _start(
+        self, environ: Mapping[str, str], engine_ready_s: float, engine: bool, release_weights: bool
+    ) -> None:
         """The engine first (its workers answer each writer's IPC preflight), then every rank's writer."""
         error: BaseException | None = None
         if engine and self.local_rank == 0:
             try:
                 client = SGLangClient(self.cfg.sglang_url, api_key=self.cfg.sglang_api_key)
                 client.wait_ready(engine_ready_s)
-                self.rollout = ColocatedRollout(client)
+                self.rollout = ColocatedRollout(client, release_weights=release_weights)
                 self.rollout.start()
                 self._check_engine_size(environ)
             except Exception as err:

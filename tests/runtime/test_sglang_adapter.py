@@ -270,6 +270,36 @@ def test_colocated_cycle_updates_the_standin_model_in_its_own_process(
         proc.wait()
 
 
+def test_weights_kept_resident_are_written_in_place_and_never_released(
+    colocated_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`release_weights=False`: training gets the KV cache and CUDA graphs only; the weights are written while
+    resident (the stand-in, like SGLang, would die on resuming a tag that is not released)."""
+    env = {**colocated_env, "COLOCATE_IPC_PREFLIGHT": "Wait"}
+    port = free_port()
+    proc = _spawn_standin(env, port, tmp_path / "s.log", versions.PINNED[-1])
+    client = SGLangClient(f"http://127.0.0.1:{port}", FAST)
+    rollout = ColocatedRollout(client, release_weights=False)
+    writer = None
+    try:
+        client.wait_ready(60)
+        rollout.start()
+        writer = new_writer(ColocateConfig.from_env(env))
+        for step in (1, 2):
+            trained = TinyLM(seed=300 + step)
+            rollout.before_training()
+            assert client.released == {"kv_cache", "cuda_graph"} and client.paused
+            pending = writer.publish(step, dict(trained.named_parameters()), weight_version=f"v{step}")
+            rollout.install_weights(f"v{step}", confirm=partial(writer.wait_and_free, pending))
+            assert not client.released and not client.paused and proc.poll() is None
+            _assert_serves(client, trained, f"v{step}")
+    finally:
+        if writer is not None:
+            writer.close()
+        proc.kill()
+        proc.wait()
+
+
 def test_a_failed_step_keeps_generation_paused_and_the_next_one_installs(
     colocated_env: dict[str, str], tmp_path: Path
 ) -> None:
