@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-nodes", type=int, default=4, help="fake GPU nodes to create (default 4)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per fake node (default 8)")
     parser.add_argument(
+        "--real-nodes",
+        type=int,
+        default=0,
+        help="real nodes (kubelet, containerd, runc, CNI; needs root and `make images`) beside the fake ones",
+    )
+    parser.add_argument(
         "--feature-gates",
         default="",
         help="feature gates for the apiserver, controller-manager and scheduler, e.g. GenericWorkload=true",
@@ -53,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.gpus_per_node,
                 feature_gates=gates,
                 runtime_config=runtime_config,
+                real_nodes=args.real_nodes,
             )
             cluster = Cluster(spec).start()
             if args.kueue:

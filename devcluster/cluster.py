@@ -19,6 +19,7 @@ from colocate_devcluster import manifests
 from colocate_devcluster.binaries import KWOK_STAGES, find_bin_dir
 from colocate_devcluster.pki import make_pki
 from colocate_devcluster.processes import Component, ComponentError, free_port, http_ok
+from colocate_devcluster.realnode import REAL_NODE_LABEL, RealNode, node_name
 
 STATE_FILE = "state.json"
 
@@ -43,6 +44,9 @@ class ClusterSpec:
     feature_gates: tuple[str, ...] = ()
     # API group versions the apiserver serves beyond its defaults, e.g. ("scheduling.k8s.io/v1beta1=true",).
     runtime_config: tuple[str, ...] = ()
+    # Real nodes beside the kwok ones: kubelet, containerd, runc and CNI on this machine, running images
+    # that scripts/build-images.sh built (devcluster/realnode.py; needs root).
+    real_nodes: int = 0
 
     def __post_init__(self) -> None:
         if self.gpu_nodes < 0 or self.gpus_per_node < 1:
@@ -72,10 +76,12 @@ class Cluster:
     spec: ClusterSpec
     bin_dir: Path = field(init=False)
     components: list[Component] = field(default_factory=list)
+    real_nodes: list[RealNode] = field(default_factory=list)
     server: str = ""
     token: str = ""
     # How to tell that a restarted component serves again (only components something waits on).
     _ready: dict[str, Callable[[], bool]] = field(default_factory=dict, repr=False)
+    _node_tokens: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.bin_dir = find_bin_dir(self.spec.bin_dir)
@@ -105,6 +111,7 @@ class Cluster:
         try:
             self._start_components()
             self._seed()
+            self._start_real_nodes()
         except BaseException:
             self.stop()
             raise
@@ -112,6 +119,8 @@ class Cluster:
         return self
 
     def stop(self) -> None:
+        for node in reversed(self.real_nodes):
+            node.teardown()
         for component in reversed(self.components):
             component.stop()
         state = self.workdir / STATE_FILE
@@ -169,6 +178,10 @@ class Cluster:
         cluster.components = [
             Component(c["name"], [], Path(c["log"]), pid=c["pid"]) for c in state["components"]
         ]
+        for index in state.get("real_nodes", []):
+            node = cluster._real_node(index, token="")
+            node.components = [c for c in cluster.components if c.name.endswith(f"-{node.name}")]
+            cluster.real_nodes.append(node)
         return cluster
 
     # -- kubectl ---------------------------------------------------------------------------------------------
@@ -211,6 +224,7 @@ class Cluster:
             "token": self.token,
             "kubeconfig": str(self.kubeconfig),
             "components": [{"name": c.name, "pid": c.pid, "log": str(c.log_path)} for c in self.components],
+            "real_nodes": [n.index for n in self.real_nodes],
         }
         (self.workdir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
@@ -234,7 +248,12 @@ class Cluster:
         etcd.wait_until(lambda: http_ok(f"http://127.0.0.1:{etcd_port}/health"), timeout, "healthy")
 
         self.token = secrets.token_hex(16)
-        (self.workdir / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        tokens = [f'{self.token},admin,admin,"system:masters"']
+        self._node_tokens = {i: secrets.token_hex(16) for i in range(self.spec.real_nodes)}
+        for i, token in self._node_tokens.items():
+            name = node_name(i)
+            tokens.append(f"{token},system:node:{name},system:node:{name},system:nodes")
+        (self.workdir / "tokens.csv").write_text("\n".join(tokens) + "\n")
         api_port = free_port()
         self.server = f"https://127.0.0.1:{api_port}"
         apiserver = self._component(
@@ -256,6 +275,8 @@ class Cluster:
             "--service-cluster-ip-range=10.96.0.0/16",
             "--allow-privileged=true",
             "--profiling=false",
+            # A real node's kubelet reports its name and its IP; only the IP resolves here.
+            *(("--kubelet-preferred-address-types=InternalIP,Hostname",) if self.spec.real_nodes else ()),
             *self.spec.gate_args,
             *(
                 (f"--runtime-config={','.join(self.spec.runtime_config)}",)
@@ -326,6 +347,50 @@ class Cluster:
             ),
             "default ServiceAccount created (kube-controller-manager)",
         )
+
+    def _real_node(self, index: int, token: str) -> RealNode:
+        return RealNode(
+            index=index,
+            workdir=self.workdir,
+            bin_dir=self.bin_dir,
+            server=self.server,
+            ca_cert=self.workdir / "pki" / "ca.crt",
+            token=token,
+            say=self._say,
+        )
+
+    def _start_real_nodes(self) -> None:
+        if not self.spec.real_nodes:
+            return
+        started = time.monotonic()
+        for index, token in self._node_tokens.items():
+            name = node_name(index)
+            # The kubelet's user gets what the Node authorizer would give it (this cluster runs RBAC only).
+            self.apply([manifests.node_role_binding(name)])
+            node = self._real_node(index, token)
+            self.real_nodes.append(node)
+            self._write_state()
+            try:
+                node.start()
+            finally:
+                self.components.extend(node.components)
+                self._write_state()
+        self._wait(self._real_nodes_ready, f"{self.spec.real_nodes} real node(s) Ready (kubelet)")
+        self._say(f"{self.spec.real_nodes} real node(s) Ready in {time.monotonic() - started:.1f} s")
+
+    def _real_nodes_ready(self) -> bool:
+        nodes = json.loads(
+            self.kubectl("get", "nodes", "-l", f"{REAL_NODE_LABEL}=true", "-o", "json").stdout
+        )["items"]
+        ready = [
+            n
+            for n in nodes
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
+        ]
+        return len(ready) >= self.spec.real_nodes
 
     def _nodes_ready(self) -> bool:
         nodes = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]

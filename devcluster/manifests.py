@@ -105,3 +105,17 @@ def seed_objects(gpu_nodes: int, gpus_per_node: int) -> list[dict]:
     """Everything a fresh cluster gets: nodes, the GPU DeviceClass and one ResourceSlice per GPU node."""
     slices = [resource_slice(gpu_node_name(i), gpus_per_node) for i in range(gpu_nodes)]
     return [*fake_nodes(gpu_nodes, gpus_per_node), device_class(), *slices]
+
+
+def node_role_binding(node: str) -> dict:
+    """Binds the built-in ClusterRole system:node to one real node's kubelet user (RBAC stands in for the
+    Node authorizer, which this cluster does not run)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": f"colocate-devcluster:{node}"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:node"},
+        "subjects": [
+            {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": f"system:node:{node}"}
+        ],
+    }

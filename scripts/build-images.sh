@@ -3,7 +3,7 @@
 # Debian's packages with mmdebstrap (python3.11 of the pinned suite), imported as an image; a pause image for
 # the real node's pod sandboxes (Kubernetes' own pause.c, from the kubernetes module the control plane is
 # built from); and the operator image from the repository's Dockerfile on top of that base
-# (--build-arg BASE=...; the Dockerfile's default stays the public base pinned by digest).
+# (--build-arg BASE_IMAGE/BASE_TAG; the Dockerfile's default stays the public base pinned by digest).
 #
 # Each image is skipped when its inputs did not change (a label on the image holds their hash). Beside the
 # images, docker-archive tarballs that the real node's containerd imports (`ctr -n k8s.io images import`)
@@ -111,7 +111,7 @@ else
   t=$SECONDS
   log "building $operator_ref from the Dockerfile on $base_ref"
   buildah bud --quiet --layers=false --network host "${ulimits[@]}" "${ca_mount[@]}" \
-    --build-arg "BASE=$base_ref" --label "dev.colocate.inputs=$operator_key" \
+    --build-arg "BASE_IMAGE=${base_ref%:*}" --build-arg "BASE_TAG=${base_ref##*:}" --label "dev.colocate.inputs=$operator_key" \
     -t "$operator_ref" -f Dockerfile . >/dev/null
   save "$operator_ref" colocate-operator.tar
   log "operator $operator_ref built in $((SECONDS - t)) s"
