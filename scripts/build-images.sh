@@ -118,7 +118,7 @@ else
 fi
 
 # The image must start: its entry point's --help, as the non-root user it runs as.
-podman run --rm "${ulimits[@]}" "$operator_ref" --help >/dev/null \
+podman run --rm --network none "${ulimits[@]}" "$operator_ref" --help >/dev/null \
   || { log "the image $operator_ref does not start: podman run $operator_ref --help failed"; exit 1; }
 podman image prune -f >/dev/null 2>&1 || true  # older untagged builds
 

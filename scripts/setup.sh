@@ -12,6 +12,14 @@ started=$SECONDS
 packages=()
 command -v redis-server >/dev/null || packages+=(redis-server)
 command -v openssl >/dev/null || packages+=(openssl)
+# The real node (devcluster/realnode.py) and the images it runs (scripts/build-images.sh): only as root, where
+# they can run at all; elsewhere the real-node tests skip and say why.
+if [ "$(id -u)" -eq 0 ]; then
+  for tool in containerd runc iptables mmdebstrap buildah podman; do
+    command -v "$tool" >/dev/null || packages+=("$tool")
+  done
+  [ -x /usr/lib/cni/bridge ] || [ -x /opt/cni/bin/bridge ] || packages+=(containernetworking-plugins)
+fi
 if [ ${#packages[@]} -gt 0 ]; then
   step "installing Debian packages: ${packages[*]}"
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
