@@ -31,6 +31,10 @@ from colocate_devcluster.processes import Component, ComponentError, free_port
 
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 REAL_NODE_LABEL = "colocate.dev/real-node"
+# Only pods that ask for the real node land there (a toleration and, to be sure, a nodeSelector): the kwok
+# nodes keep taking everything else, whose images (Redis, trainers, SGLang) are not built here yet.
+REAL_NODE_TAINT = {"key": REAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}
+REAL_NODE_TOLERATION = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
 SERVICE_HOST = "10.96.0.1"  # the `kubernetes` Service's ClusterIP (first of --service-cluster-ip-range)
 SERVICE_FQDN = "kubernetes.default.svc.cluster.local"
 PAUSE_IMAGE = "localhost/pause:colocate"
@@ -171,6 +175,7 @@ class RealNode:
                 f"--hostname-override={self.name}",
                 f"--node-ip={node_ip()}",
                 f"--node-labels={REAL_NODE_LABEL}=true",
+                "--register-with-taints={key}={value}:{effect}".format(**REAL_NODE_TAINT),
                 "--v=1",
             ],
             self.dir / "kubelet.log",

@@ -26,7 +26,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     script = ROOT / "scripts" / "build-images.sh"
     built = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert built.returncode == 0, f"scripts/build-images.sh failed:\n{built.stderr[-3000:]}"
-    cluster = Cluster(ClusterSpec(workdir=tmp_path_factory.mktemp("realnode"), gpu_nodes=1, real_nodes=1))
+    cluster = Cluster(ClusterSpec(workdir=tmp_path_factory.mktemp("realnode"), gpu_nodes=2, real_nodes=1))
     cluster.start()
     previous = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)

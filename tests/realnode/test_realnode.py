@@ -4,18 +4,24 @@ node and reaches the apiserver in-cluster with its ServiceAccount."""
 
 from __future__ import annotations
 
+import json
 import secrets
+from pathlib import Path
 
 import pytest
+import yaml
 
 from colocate_devcluster import Cluster
-from colocate_devcluster.realnode import REAL_NODE_LABEL, node_name
-from tests.kube import CHART, get_json, helm, wait_for
+from colocate_devcluster.realnode import REAL_NODE_LABEL, REAL_NODE_TOLERATION, node_name
+from tests.kube import CHART, ROOT, get_json, helm, wait_for
 
 pytestmark = pytest.mark.integration
 
 IMAGE_REPOSITORY = "localhost/colocate-operator"  # what scripts/build-images.sh tags, the chart's appVersion
-ON_REAL_NODE = f'{{"{REAL_NODE_LABEL}":"true"}}'
+ON_REAL_NODE = (
+    "--set-json", f'nodeSelector={{"{REAL_NODE_LABEL}":"true"}}',
+    "--set-json", f"tolerations={json.dumps([REAL_NODE_TOLERATION])}",
+)  # fmt: skip
 
 
 def _namespace(cluster: Cluster) -> str:
@@ -43,6 +49,7 @@ def test_pod_runs_to_completion_and_its_logs_are_readable(real_cluster: Cluster)
                 "metadata": {"name": "hello", "namespace": namespace},
                 "spec": {
                     "nodeSelector": {REAL_NODE_LABEL: "true"},
+                    "tolerations": [REAL_NODE_TOLERATION],
                     "restartPolicy": "Never",
                     "containers": [
                         {
@@ -66,13 +73,22 @@ def test_pod_runs_to_completion_and_its_logs_are_readable(real_cluster: Cluster)
     assert logs.strip() == "ran (3, 11) as uid 10001"  # the image's non-root user, Debian's python3.11
 
 
-def test_operator_deployment_from_the_chart_becomes_ready_on_the_real_node(real_cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def operator_namespace(real_cluster: Cluster) -> str:
+    """The chart installed with the image built here, its operator pinned to the real node."""
     namespace = _namespace(real_cluster)
     helm(
         real_cluster, "install", "op", str(CHART), "--namespace", namespace,
         "--set", f"image.repository={IMAGE_REPOSITORY}", "--set", "image.pullPolicy=Never",
-        "--set-json", f"nodeSelector={ON_REAL_NODE}", "--wait", "--timeout", "90s",
+        *ON_REAL_NODE, "--wait", "--timeout", "90s",
     )  # fmt: skip
+    return namespace
+
+
+def test_operator_deployment_from_the_chart_becomes_ready_on_the_real_node(
+    real_cluster: Cluster, operator_namespace: str
+) -> None:
+    namespace = operator_namespace
     pods = get_json(real_cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=op")["items"]
     assert len(pods) == 1
     pod = pods[0]
@@ -89,3 +105,23 @@ def test_operator_deployment_from_the_chart_becomes_ready_on_the_real_node(real_
     logs = wait_for(logged_in, 60, "the operator's login and a liveness probe in its log")
     assert "Failed to resolve" not in logs and "ClientConnectorDNSError" not in logs, logs[-3000:]
     assert "API discovery" not in logs, logs[-3000:]
+
+
+def test_operator_in_cluster_reconciles_a_job(real_cluster: Cluster, operator_namespace: str) -> None:
+    """The operator, a real container on the real node, reconciles the example job (its Redis, Secret,
+    Services and worker pods land on the kwok nodes, as in the demo)."""
+    job = yaml.safe_load(Path(ROOT / "examples" / "colocatejob.yaml").read_text())
+    job["spec"].pop("metaStore", None)  # Managed: the operator makes the job's Redis itself
+    job["metadata"]["namespace"] = namespace = _namespace(real_cluster)
+    real_cluster.apply([job])
+
+    def conditions() -> dict[str, str] | None:
+        status = get_json(real_cluster, "colocatejob", job["metadata"]["name"], "-n", namespace).get(
+            "status", {}
+        )
+        found = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        return found if found.get("MetaStoreReady") == "True" and found.get("PodsReady") == "True" else None
+
+    wait_for(conditions, 60, "MetaStoreReady and PodsReady from the in-cluster operator")
+    pods = get_json(real_cluster, "pods", "-n", namespace)["items"]
+    assert pods and all(p["spec"]["nodeName"] != node_name(0) for p in pods)
