@@ -120,7 +120,10 @@ class RealNode:
 
     @property
     def subnet(self) -> ipaddress.IPv4Network:
-        return ipaddress.IPv4Network(f"10.85.{self.index}.0/24")
+        """10.85.x.0/24, x from the node's directory: two clusters on one machine (two test runs) each get
+        their own bridge, subnet, DNS address and cgroup root."""
+        octet = (int(hashlib.sha256(str(self.dir.resolve()).encode()).hexdigest()[:8], 16) + self.index) % 256
+        return ipaddress.IPv4Network(f"10.85.{octet}.0/24")
 
     @property
     def cgroup_root(self) -> str:
