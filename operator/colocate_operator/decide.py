@@ -20,7 +20,7 @@ from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
 from colocate_operator.observed import ClaimState, Observed, PodState, child_key
 from colocate_operator.spec import ColocateJob
-from colocate_operator.status import final_step_recorded
+from colocate_operator.status import final_failure, final_step_recorded
 
 SOON = 1.0  # seconds: re-check after creating or deleting, when no watch event may come
 NAME_TAKEN_RECHECK = 10.0  # a child name held by someone else: look again now and then, not at 1 Hz
@@ -236,6 +236,18 @@ def decide(
         or any(pod.final_message for pod in current)
     )
     active = [pod for pod in current if pod.phase not in FINISHED and not pod.deleting]
+    # A final record can say the training failed (`finish(ok=False)`): the run is over all the same (never
+    # restarted), and the job ends Failed with the trainer's message; it (and its Kueue Workload) never
+    # ends Succeeded. The stream's word wins over a termination message: one rank's failure fails the run.
+    trainer_failure = final_failure(status) or (observed.final_failure if observed.final_record else None)
+    if final_recorded and trainer_failure and (current or new["groupCreated"]) and not active:
+        return _fail(
+            p,
+            new,
+            Reason.TRAINING_FAILED,
+            f"the trainer's final record says the training failed: {trainer_failure}",
+            creates,
+        )
     if final_recorded and (current or new["groupCreated"]) and not active:
         new.update(phase=Phase.SUCCEEDED, completionTime=conditions.timestamp(now))
         failed_after = [pod.describe() for pod in current if pod.phase == "Failed"]

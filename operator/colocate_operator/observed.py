@@ -221,6 +221,7 @@ class Observed:
     device_class_found: bool | None = None  # None: not checked or not readable
     claims: dict[str, ClaimState] = field(default_factory=dict)
     final_record: bool | None = None
+    final_failure: str | None = None  # with final_record True: the trainer's message when the run failed
     final_record_pending: bool = False
     # (name, uid) of the Managed Redis pods, listed only when this job's Redis runs but its Secret is gone.
     metastore_pods: tuple[tuple[str, str], ...] = ()
@@ -241,6 +242,7 @@ class StreamProgress:
     plain attributes, each replaced whole."""
 
     final: bool = False
+    final_failure: str | None = None  # the trainer's message when its final record says the run failed
     caught_up_at: float = 0.0
     paused: bool = False  # the job is Suspending or Suspended (its watch events say): no stall is counted
 

@@ -344,7 +344,7 @@ class Reconciler:
         since = self._exits_seen.setdefault(uid, now)
         progress = self.stream_progress(job.ref.namespace, job.ref.name) if self.stream_progress else None
         if progress is not None and progress.final:
-            return replace(observed, final_record=True)
+            return replace(observed, final_record=True, final_failure=progress.final_failure)
         if progress is not None and progress.caught_up_at >= since:
             return replace(observed, final_record=False)
         # Worth waiting for: a follower that is reading (it will catch up), or any exit with code 0 (the

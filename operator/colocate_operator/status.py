@@ -86,6 +86,8 @@ class WeightSyncStatus(_Model):
     last_sync_seconds: float | None = None
     last_sync_bytes: int | None = None
     final_step_recorded: bool | None = None
+    final_result: str | None = None  # Succeeded | Failed: what the trainer's final record says
+    final_message: str | None = None  # a failed final record's message (the trainer's error)
 
 
 class StepRecordStatus(_Model):
@@ -199,6 +201,15 @@ class StatusView:
         weight_sync = self.raw.get(_alias("weight_sync")) or {}
         return bool(weight_sync.get(WeightSyncStatus.model_fields["final_step_recorded"].alias))
 
+    @property
+    def final_failure(self) -> str | None:
+        """The trainer's message when its final record says the training failed; None otherwise (no final
+        record, or a successful one: a status written before `finalResult` existed had only successes)."""
+        weight_sync = self.raw.get(_alias("weight_sync")) or {}
+        if weight_sync.get(WeightSyncStatus.model_fields["final_result"].alias) != "Failed":
+            return None
+        return weight_sync.get(WeightSyncStatus.model_fields["final_message"].alias) or "no message"
+
     def condition(self, type_: str) -> Mapping[str, Any] | None:
         return next((c for c in self.raw.get(_alias("conditions")) or () if c.get("type") == type_), None)
 
@@ -206,3 +217,8 @@ class StatusView:
 def final_step_recorded(status: Mapping[str, Any]) -> bool:
     """Whether the step follower wrote the trainer's final record (the reconciler's decisions read it)."""
     return StatusView(status).final_step_recorded
+
+
+def final_failure(status: Mapping[str, Any]) -> str | None:
+    """The trainer's message if its final record says the training failed (decide.py fails the job on it)."""
+    return StatusView(status).final_failure

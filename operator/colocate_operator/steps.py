@@ -103,6 +103,7 @@ class StepTracker:
     last_progress_ts: float | None = None  # when the last step completed (or tracking started)
     paused_since: float | None = None  # the job is suspended (or suspending): no progress is expected
     final_result: str | None = None
+    final_message: str = ""  # the first failed final record's: what the trainer said went wrong
     last_failure: StepRecord | None = None
     recent: list[StepRecord] = field(default_factory=list)
     _gens: dict[str, int] = field(default_factory=dict)  # GPU -> newest trainer incarnation seen
@@ -131,6 +132,9 @@ class StepTracker:
             return self._preflight_event(gpu, event)
         if event.phase == "final":  # one trainer rank's failure fails the run; success needs no failure
             if event.result != "ok":
+                if self.final_result != "Failed":
+                    said = f"{event.result or 'error'} on GPU {event.gpu or event.rank}: {event.error}"
+                    self.final_message = said.strip(": ")[:MESSAGE_MAX_CHARS]
                 self.final_result = "Failed"
             elif self.final_result is None:
                 self.final_result = "Succeeded"
@@ -275,6 +279,8 @@ class StepTracker:
             last_sync_seconds=round(self.last_sync_seconds, 6) if done else None,
             last_sync_bytes=self.last_sync_bytes if done else None,
             final_step_recorded=True if self.final_result is not None else None,
+            final_result=self.final_result,
+            final_message=self.final_message or None,
         )
 
     def recent_steps_status(self) -> tuple[StepRecordStatus, ...]:
@@ -321,7 +327,8 @@ def step_conditions(tracker: StepTracker, stalled: bool, deadline_seconds: float
                 Cond.PROGRESSING,
                 False,
                 "TrainingFinished",
-                f"the trainer's final record says {tracker.final_result}",
+                f"the trainer's final record says {tracker.final_result}"
+                + (f": {tracker.final_message}" if tracker.final_message else ""),
             )
         )
     elif stalled:

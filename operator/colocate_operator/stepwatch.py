@@ -653,6 +653,8 @@ class _Reader:
             news = follow.skip_oversized(skipped, last) or news
             follow.reads += 1
             # The reconciler's catch-up barrier before a pod exit counts as failure.
+            failed = follow.tracker.final_result == "Failed"
+            follow.progress.final_failure = (follow.tracker.final_message or "no message") if failed else None
             follow.progress.final = follow.tracker.final_result is not None
             if not full:
                 follow.progress.caught_up_at = issued  # everything added before `issued` has been read

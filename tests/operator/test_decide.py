@@ -745,6 +745,29 @@ def test_pods_failing_after_the_final_record_do_not_restart_a_finished_run(
     assert plan.creates == () and plan.deletes == ()
 
 
+@pytest.mark.parametrize("source", ["status", "follower"])
+def test_a_final_record_of_a_failed_training_fails_the_job_with_the_trainers_message(source: str) -> None:
+    """finish(ok=False): the run is over (never restarted) and it failed, so the job (and its Kueue Workload,
+    which follows the phase) ends Failed with the trainer's message, not Succeeded."""
+    done = (pod(0, phase="Failed", reason="Error"), pod(1, phase="Succeeded"))
+    failure = "error on GPU GPU-a: loss is NaN"
+    if source == "status":
+        observed = Observed(pods=done, children=INFRA, metastore_ready=True)
+        ws = {"finalStepRecorded": True, "finalResult": "Failed", "finalMessage": failure}
+        plan = run(running_status(weightSync=ws), observed)
+    else:
+        observed = Observed(
+            pods=done, children=INFRA, metastore_ready=True, final_record=True, final_failure=failure
+        )
+        plan = run(running_status(), observed)
+    assert plan.status["phase"] == Phase.FAILED
+    failed = cond(plan, Cond.FAILED)
+    assert (failed["status"], failed["reason"]) == ("True", Reason.TRAINING_FAILED)
+    assert failure in failed["message"]
+    assert plan.status["restarts"] == 0 and plan.creates == () and plan.deletes == ()
+    assert not [c for c in plan.status["conditions"] if c["type"] == Cond.SUCCEEDED and c["status"] == "True"]
+
+
 def test_a_pod_failing_after_the_final_record_while_another_runs_waits() -> None:
     observed = Observed(
         pods=(pod(0), pod(1, phase="Failed", reason="Error")), children=INFRA, metastore_ready=True

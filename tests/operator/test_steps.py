@@ -134,6 +134,32 @@ def test_final_record_is_what_marks_success() -> None:
     assert weight_sync(tracker)["finalStepRecorded"] is True
 
 
+def test_a_final_record_with_an_error_result_is_a_failed_training_with_its_message() -> None:
+    """finish(ok=False) (runtime/colocated/writer.py): phase final, result error, the trainer's message."""
+    tracker = StepTracker(expected_gpus=2)
+    tracker.observe(finished(1, "a"))
+    error = StepEvent(
+        role="trainer",
+        gen=1,
+        step=1,
+        phase="final",
+        gpu="GPU-b",
+        result="error",
+        final=True,
+        error="loss is NaN",
+    )
+    assert tracker.observe(error)
+    ok = StepEvent(role="trainer", gen=1, step=1, phase="final", gpu="GPU-a", result="ok", final=True)
+    tracker.observe(ok)  # another rank's success does not make the run succeed
+    assert tracker.final_result == "Failed"
+    status = weight_sync(tracker)
+    assert status["finalStepRecorded"] is True and status["finalResult"] == "Failed"
+    assert status["finalMessage"] == "error on GPU GPU-b: loss is NaN"
+    success = StepTracker(expected_gpus=1)
+    success.observe(ok)
+    assert weight_sync(success)["finalResult"] == "Succeeded" and "finalMessage" not in weight_sync(success)
+
+
 def test_stalled_after_the_progress_deadline() -> None:
     tracker = StepTracker(expected_gpus=1)
     tracker.observe(finished(1, "g", ts=100.0))
