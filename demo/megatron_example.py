@@ -111,7 +111,8 @@ def rollout_env(env: dict[str, str]) -> dict[str, str]:
 
     tp = int(env["COLOCATE_INFER_TP"])
     base = {**env, "PYTHONPATH": env_path("sglang-env.sh", SGLANG_VERSION)}
-    return environment(tp=tp, base=base)
+    config = json.loads((Path(env["COLOCATE_MODEL_CONFIG"]) / "config.json").read_text())
+    return environment(tp=tp, base=base, arch=config["model_type"])  # SGLang imports this model's module
 
 
 def trainer_argv(job: dict[str, Any], env: dict[str, str]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from colocate_runtime.convert.errors import ConvertError
 from colocate_runtime.convert.layout import MegatronLayout, MegatronRank, PipelineLayout
+from colocate_runtime.convert.spec import ModelDims
 
 RECORD_VERSION = 1
 
@@ -26,6 +27,7 @@ class TrainerRecord:
     rank: MegatronRank
     dtype: str  # the canonical dtype of every published piece (the model's parameter dtype)
     architecture: str  # the converter family, checked against the engine's model config
+    dims: dict[str, Any] | None = None  # the trainer's ModelDims (`dims_of`), checked against the engine's
 
     def to_json(self) -> str:
         layout = asdict(self.layout)
@@ -38,6 +40,7 @@ class TrainerRecord:
                 "rank": asdict(self.rank),
                 "dtype": self.dtype,
                 "architecture": self.architecture,
+                "dims": self.dims,
             },
             separators=(",", ":"),
         )
@@ -59,6 +62,24 @@ class TrainerRecord:
                 rank=MegatronRank(**data["rank"]),
                 dtype=str(data["dtype"]),
                 architecture=str(data["architecture"]),
+                dims=data.get("dims"),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ConvertError(f"unreadable trainer record ({type(err).__name__}: {err})") from err
+
+
+def dims_of(spec: ModelDims) -> dict[str, Any]:
+    """The model's dimensions as plain JSON data (sets sorted), comparable across the two sides."""
+    return json.loads(json.dumps(asdict(spec), default=sorted))
+
+
+def dims_differences(trainer: dict[str, Any], engine: dict[str, Any], at: str = "") -> list[str]:
+    """Every field whose value differs, as `path: trainer value != engine value`."""
+    out: list[str] = []
+    for key in sorted(set(trainer) | set(engine)):
+        a, b = trainer.get(key), engine.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += dims_differences(a, b, f"{at}{key}.")
+        elif a != b:
+            out.append(f"{at}{key}: trainer {a!r} != SGLang {b!r}")
+    return out

@@ -34,7 +34,7 @@ from colocate_runtime.colocated.outcome import StepReport
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.colocated.writer import PendingStep, WeightWriter
 from colocate_runtime.convert.hf_config import dtype_name
-from colocate_runtime.convert.published import TrainerRecord
+from colocate_runtime.convert.published import TrainerRecord, dims_of
 from colocate_runtime.convert.registry import model_spec
 from colocate_runtime.convert.trainer import TrainerRankPlan, trainer_plan
 from colocate_runtime.megatron.agree import Agreement, RankFailed
@@ -138,8 +138,9 @@ class Publisher:
         try:
             device = torch.cuda.current_device() if self.cfg.transport == "CudaIPC" else None
             self.writer = new_writer(self.cfg, rank=self.local_rank, device=device)
+            spec = self.plan.spec
             record = TrainerRecord(
-                self.plan.layout, self.plan.rank, self.plan.spec.dtype, self.plan.spec.architecture
+                self.plan.layout, self.plan.rank, spec.dtype, spec.architecture, dims=dims_of(spec)
             )
             self.writer.store.write_trainer_record(self.writer.uuid, record.to_json())
             self._bind()

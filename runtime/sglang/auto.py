@@ -37,7 +37,7 @@ from colocate_runtime.colocated.wiring import reshard_exchange
 from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.inference import InferenceRankPlan, inference_plan
 from colocate_runtime.convert.layout import SGLangLayout
-from colocate_runtime.convert.published import TrainerRecord
+from colocate_runtime.convert.published import TrainerRecord, dims_differences, dims_of
 from colocate_runtime.convert.registry import model_spec
 from colocate_runtime.convert.trainer import TrainerRankPlan, trainer_plan
 from colocate_runtime.p2p.layout import Layout
@@ -224,6 +224,15 @@ def rank_plans(
         raise AutoWiringError(
             f"the trainer publishes a {record.architecture!r} model, SGLang serves {spec.architecture!r} "
             f"(model_type {config.get('model_type')!r}): both sides must run the same model"
+        )
+    differ = [] if record.dims is None else dims_differences(record.dims, dims_of(spec))
+    if differ:
+        raise AutoWiringError(
+            "SGLang's model config differs from the trainer's: "
+            + "; ".join(differ[:4])
+            + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else "")
+            + ". Both sides must load the same config; SGLang also rewrites some sizes itself (on CPU it "
+            "pads an expert intermediate size that does not split evenly over TP): this update cannot follow"
         )
     return RankPlans(
         trainer_plan(spec, record.layout, record.rank),

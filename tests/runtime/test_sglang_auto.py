@@ -4,6 +4,7 @@ Redis: a dict stands in for the meta-store's trainer records."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ from colocate_runtime.convert import (
     model_spec,
     trainer_plan,
 )
-from colocate_runtime.convert.published import TrainerRecord
+from colocate_runtime.convert.published import TrainerRecord, dims_of
 from colocate_runtime.p2p.layout import Layout
 from colocate_runtime.sglang import auto
 from colocate_runtime.sglang.auto import AutoWiringError, EngineArgs, Worker
@@ -149,6 +150,17 @@ def record(model: dict[str, Any] = QWEN3, **layout: Any) -> TrainerRecord:
 def test_another_architecture_is_refused_naming_both() -> None:
     with pytest.raises(AutoWiringError, match="publishes a 'qwen3_moe' model, SGLang serves 'qwen3'"):
         auto.rank_plans(record(QWEN3_MOE), QWEN3, EngineArgs(tp=1), 0)
+
+
+def test_a_model_config_other_than_the_trainers_is_refused_naming_the_field() -> None:
+    """SGLang's CPU path pads an expert intermediate size that does not split over TP (32 at TP 2 -> 64): its
+    config then differs from the trainer's, and the update says so instead of planning with either."""
+    trainer = dims_of(model_spec(QWEN3_MOE))
+    sglang = {**QWEN3_MOE, "moe_intermediate_size": 2 * QWEN3_MOE["moe_intermediate_size"]}
+    rec = replace(record(QWEN3_MOE), dims=trainer)
+    with pytest.raises(AutoWiringError, match=r"moe\.intermediate_size: trainer 32 != SGLang 64"):
+        auto.rank_plans(rec, sglang, EngineArgs(tp=2), 0)
+    assert auto.rank_plans(rec, QWEN3_MOE, EngineArgs(tp=2), 0).trainer.spec == model_spec(QWEN3_MOE)
 
 
 class FakeModel(torch.nn.Module):
