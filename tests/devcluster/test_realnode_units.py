@@ -7,7 +7,9 @@ import struct
 import tomllib
 from pathlib import Path
 
-from colocate_devcluster import dns
+import pytest
+
+from colocate_devcluster import dns, realnode
 from colocate_devcluster.realnode import RealNode, can_run
 
 RECORDS = {"kubernetes.default.svc.cluster.local": "10.96.0.1"}
@@ -42,6 +44,13 @@ def test_containerd_config_is_toml_with_the_cri_settings_the_node_needs(tmp_path
     assert config["grpc"]["address"] == str(node.socket) and len(str(node.socket)) < 108
 
 
-def test_can_run_says_why_or_nothing() -> None:
+def test_can_run_says_why_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     why = can_run()
     assert why is None or why.startswith("a real node needs")
+    monkeypatch.setattr(realnode.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(
+        realnode.shutil, "which", lambda tool: None if tool == "containerd" else f"/usr/bin/{tool}"
+    )
+    assert (can_run() or "").startswith("a real node needs containerd")
+    monkeypatch.setattr(realnode.os, "geteuid", lambda: 1000)
+    assert can_run() == "a real node needs root (containerd, runc, network namespaces, cgroups)"
