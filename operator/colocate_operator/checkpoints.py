@@ -235,6 +235,7 @@ class _Slot:
     operation: object = None
     notify: bool = False  # a pass stopped waiting for it: its end queues the job
     last_read: CheckpointState | None = None
+    write_error: str | None = None  # the last write's failure, until a write succeeds (decide reports it)
 
 
 class CheckpointIO:
@@ -264,6 +265,7 @@ class CheckpointIO:
     def observe(self, job: ColocateJob, status: dict[str, Any], observed: Observed) -> Observed:
         """`observed` with the job's checkpoint records while a suspend waits for its pods."""
         key = _key(job)
+        observed = replace(observed, checkpoint_write_error=self.write_error(job))
         if not wanted(job, status, observed):
             with self._lock:
                 slot = self._slots.get(key)
@@ -293,9 +295,18 @@ class CheckpointIO:
         done, error = self._run(_key(job), what, write, self.wait)
         if not done:
             return False
+        with self._lock:
+            slot = self._slots.setdefault(_key(job), _Slot())
+            slot.write_error = error
         if error is not None:
             raise CheckpointUnavailable(error)
         return True
+
+    def write_error(self, job: ColocateJob) -> str | None:
+        """Why the job's last checkpoint write failed; None once one succeeded (or none failed)."""
+        with self._lock:
+            slot = self._slots.get(_key(job))
+            return None if slot is None else slot.write_error
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:

@@ -222,7 +222,7 @@ def decide(
     if ipc_failure is not None:
         return _fail(p, new, Reason.IPC_PREFLIGHT_FAILED, ipc_failure, creates)
     p.condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED)
-    if phase == Phase.SUSPENDED:
+    if phase == Phase.SUSPENDED and not observed.checkpoint_write_error:  # once, not per withdraw retried
         p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
     _withdraw_checkpoint_request(p, phase)
 
@@ -891,6 +891,15 @@ def _withdraw_checkpoint_request(p: _Pass, phase: str) -> None:
     if phase in (Phase.SUSPENDED, Phase.SUSPENDING) and suspension.get("checkpointRequested"):
         step = suspension.get("checkpointStep") if phase == Phase.SUSPENDED else None
         p.checkpoint = CheckpointWrite(withdraw=True, resume_step=step)
+        error = p.observed.checkpoint_write_error
+        if error:  # the executor creates the meta-store's children (a lost Secret) but holds back the pods
+            p.condition(
+                Cond.SUSPENDED,
+                False,
+                Reason.CHECKPOINT_REQUEST_NOT_WITHDRAWN,
+                "resuming: the pods are created once the suspend's checkpoint request is withdrawn from the "
+                f"meta-store, which failed: {error}",
+            )
 
 
 def _restart(

@@ -227,6 +227,9 @@ class Observed:
     metastore_pods: tuple[tuple[str, str], ...] = ()
     # Read only while a suspend waits for the step in flight and the trainer's checkpoint (checkpoints.py).
     checkpoint: CheckpointState | None = None
+    # Why the last checkpoint write into the store failed (checkpoints.py), until one succeeds: on resume,
+    # the withdraw the new pods wait for.
+    checkpoint_write_error: str | None = None
     # A job with a Kueue queue: its Workload (None: none yet) and, while there is none, the value of its
     # WorkloadPriorityClass (None: no class, or not found).
     workload: WorkloadState | None = None

@@ -400,9 +400,31 @@ class Reconciler:
             if not self._write_status(job, body, patch):
                 return 0.5  # someone else wrote first: decide again from what they wrote
             patch = {}
-        if not self.checkpoint_io.execute(job, plan.checkpoint):  # before the resumed pods exist
-            return CHECKPOINT_RETRY_SECONDS  # its end queues the job sooner
-        failed_creates = self._create_all(job, plan.creates)
+        creates, withdraw_pending = plan.creates, False
+        try:
+            written = self.checkpoint_io.execute(job, plan.checkpoint)  # before the resumed pods exist
+        except checkpoints.CheckpointUnavailable as e:
+            if plan.checkpoint is None or not plan.checkpoint.withdraw:
+                raise
+            written = False
+            log.warning(
+                "checkpoint request not withdrawn: the pods wait",
+                extra={"job": f"{ns}/{job.ref.name}", "error": str(e)},
+            )
+            # The store may be what this plan re-creates (a Secret deleted while suspended) or what must be
+            # read again: its children are read afresh by the next pass, not trusted from memory.
+            for child in _metastore_children(job.ref.name):
+                self.known.lost_child(job.ref.uid, child)
+        if not written:
+            if plan.checkpoint is None or not plan.checkpoint.withdraw:
+                return CHECKPOINT_RETRY_SECONDS  # its end queues the job sooner
+            # A resume's withdraw that failed or is still on its way holds back the pods only (a new trainer
+            # must not see the old request): the meta-store's children, deletes and status go on, else a
+            # store whose Secret or Redis is missing could never be made whole again (issue 30, item 5).
+            creates = tuple(m for m in plan.creates if m["kind"] != "Pod")
+            withdraw_pending = True
+            patch.pop("phase", None)  # still Suspended(ing): that is what makes the next pass withdraw again
+        failed_creates = self._create_all(job, creates)
         for pod in plan.deletes:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
             if deleted is not None:
@@ -425,6 +447,8 @@ class Reconciler:
             return GONE
         if failed_creates:
             return 5.0
+        if withdraw_pending:
+            return min(CHECKPOINT_RETRY_SECONDS, plan.requeue_after or CHECKPOINT_RETRY_SECONDS)
         if plan.requeue_after is not None:
             return plan.requeue_after
         return None
@@ -531,3 +555,12 @@ def _wave(kind: str) -> int:
 
 def _is_owned(body: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def _metastore_children(name: str) -> tuple[str, ...]:
+    """The Managed meta-store's children a checkpoint write depends on, as `known` names them."""
+    return (
+        f"Secret/{names.metastore_secret(name)}",
+        f"Service/{names.metastore(name)}",
+        f"NetworkPolicy/{names.metastore(name)}",
+    )

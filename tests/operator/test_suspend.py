@@ -190,6 +190,23 @@ def test_resume_withdraws_the_request_and_restores_the_resume_step_before_pods()
     assert quiet.checkpoint is None
 
 
+def test_a_withdraw_that_failed_is_asked_again_and_status_says_why_the_pods_wait() -> None:
+    """Issue 30, item 5: the executor holds back the pods while the withdraw fails (reconciler.py); decide
+    asks for it again, says why in the Suspended condition, and posts Resumed only once."""
+    suspension = {"requestTime": ts(-100), "checkpointRequested": True, "outcome": "GracePeriodExpired"}
+    status = {"phase": Phase.SUSPENDED, "restarts": 0, "groupCreated": False, "suspension": suspension}
+    error = "checkpoint request of default/demo: Secret default/demo-metastore has no key 'password'"
+    observed = Observed(
+        children=running_observed().children, metastore_ready=True, checkpoint_write_error=error
+    )
+    plan = run(status, observed, factories.job())
+    assert plan.checkpoint == CheckpointWrite(withdraw=True, resume_step=None)
+    suspended = cond(plan, Cond.SUSPENDED)
+    assert (suspended["status"], suspended["reason"]) == ("False", Reason.CHECKPOINT_REQUEST_NOT_WITHDRAWN)
+    assert error in suspended["message"]
+    assert Reason.RESUMED not in [e.reason for e in plan.events]
+
+
 def test_a_suspend_called_off_while_waiting_withdraws_the_request_and_keeps_the_pods() -> None:
     status = {
         **syncing(),
