@@ -55,9 +55,25 @@ TINY_QWEN3 = {
 }
 
 
-def write_model(folder: Path) -> Path:
+# Qwen3-MoE, four experts; the expert intermediate size splits evenly over SGLang's TP 2 in units of 32
+# (SGLang's CPU path pads it otherwise, and its config would no longer be the trainer's).
+TINY_QWEN3_MOE = {
+    **TINY_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+MODELS = {"qwen3": TINY_QWEN3, "qwen3-moe": TINY_QWEN3_MOE}
+
+
+def write_model(folder: Path, config: dict[str, Any] = TINY_QWEN3) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_QWEN3, indent=1))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return folder
 
@@ -132,12 +148,26 @@ def trainer_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
 
 
-def prepare(job: dict[str, Any], workdir: Path, steps: int, *, train_tensor: int | None = None) -> None:
-    """The job as the demo applies it: the model folder written here, the step count asked for, and the
-    trainer's `--check` (greedy output against transformers, weights saved for the bitwise comparison)."""
+def prepare(
+    job: dict[str, Any],
+    workdir: Path,
+    steps: int,
+    *,
+    train_tensor: int | None = None,
+    train_expert: int | None = None,
+    model: str = "qwen3",
+) -> None:
+    """The job as the demo applies it: the model folder written here, the step count and layout asked for,
+    and the trainer's `--check` (greedy output against transformers, weights saved for the bitwise
+    comparison)."""
+    train = job["spec"]["parallelism"]["train"]
     if train_tensor is not None:
-        job["spec"]["parallelism"]["train"]["tensor"] = train_tensor
-    job["spec"]["model"]["config"] = str(write_model(workdir / "models" / "qwen3"))
+        train["tensor"] = train_tensor
+    if train_expert is not None:
+        train["expert"] = train_expert
+    config = MODELS[model]
+    job["spec"]["model"]["arch"] = config["model_type"]
+    job["spec"]["model"]["config"] = str(write_model(workdir / "models" / model, config))
     command = list(job["spec"]["trainer"]["command"])
     if "--steps" in command:
         at = command.index("--steps")

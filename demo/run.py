@@ -115,6 +115,17 @@ def main() -> int:
         "TP 2 under torchrun, real SGLang at TP 2, a few minutes)",
     )
     parser.add_argument(
+        "--model",
+        choices=sorted(megatron.MODELS),
+        default="qwen3",
+        help="with --example megatron: the tiny model (qwen3-moe: four experts)",
+    )
+    parser.add_argument(
+        "--train-expert",
+        type=int,
+        help="with --example megatron: the trainer's expert parallel size (parallelism.train.expert)",
+    )
+    parser.add_argument(
         "--train-tensor",
         type=int,
         help="with --example megatron: the trainer's tensor parallel size (parallelism.train.tensor); 1: "
@@ -197,7 +208,14 @@ def main() -> int:
         job = yaml.safe_load(job_file.read_text())
         job["spec"]["metaStore"]["external"]["address"] = redis.addr
         if args.example == "megatron":
-            megatron.prepare(job, args.workdir, args.steps, train_tensor=args.train_tensor)
+            megatron.prepare(
+                job,
+                args.workdir,
+                args.steps,
+                train_tensor=args.train_tensor,
+                train_expert=args.train_expert,
+                model=args.model,
+            )
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
         pods = wait(lambda: _running_pods(cluster, job["spec"]["numNodes"]), 120, "the job's pods Running")
         print(cluster.kubectl("get", "colocatejobs,pods", "-n", "demo", "-o", "wide").stdout, end="")

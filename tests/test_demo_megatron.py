@@ -3,7 +3,8 @@ control plane with the operator, its containers' own commands (torchrun + real m
 real SGLang 0.5.23 at TP 2 started exactly as the job says, no user module), a real Redis. After every step
 SGLang's parameters equal the trainer's bit for bit and its greedy output equals transformers' from the
 trainer's weights (the summary's "yes, every pod"); the job ends Succeeded. Also a TP 1 trainer (two
-data-parallel ranks) feeding SGLang at TP 2."""
+data-parallel ranks) feeding SGLang at TP 2, and a Qwen3-MoE trainer with its experts split over two ranks
+(EP 2) feeding SGLang at TP 2, whose expert slices cross GPUs (the reshard exchange)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,19 @@ def summary_rows(out: str) -> list[list[str]]:
     return [line.split() for line in summary.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
 
 
-@pytest.mark.parametrize(("train_tensor", "steps"), [(2, 3), (1, 2)], ids=["tp2-to-tp2", "tp1-to-tp2"])
+@pytest.mark.parametrize(
+    ("args", "steps"),
+    [
+        ((), 3),
+        (("--train-tensor", "1"), 2),
+        (("--model", "qwen3-moe", "--train-tensor", "1", "--train-expert", "2"), 2),
+    ],
+    ids=["tp2-to-tp2", "tp1-to-tp2", "moe-ep2-to-tp2"],
+)
 def test_megatron_example_runs_as_documented_bitwise_every_step(
-    tmp_path: Path, train_tensor: int, steps: int
+    tmp_path: Path, args: tuple[str, ...], steps: int
 ) -> None:
-    out = run_demo(tmp_path / "demo", steps, "--train-tensor", str(train_tensor))
+    out = run_demo(tmp_path / "demo", steps, *args)
     assert "demo succeeded" in out
     rows = summary_rows(out)
     assert [row[0] for row in rows] == [str(s) for s in range(1, steps + 1)]

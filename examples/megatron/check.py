@@ -8,6 +8,7 @@ comparison with what SGLang installed (COLOCATE_DUMP_INSTALLED_DIR on the SGLang
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,23 @@ def gather_canonical(publisher: Publisher) -> dict[str, torch.Tensor] | None:
 
 
 def transformers_greedy(hf: dict[str, Any], weights: dict[str, torch.Tensor]) -> list[int]:
+    """Written as a Hugging Face checkpoint and loaded the way transformers loads one (it fuses MoE experts
+    on load), every key used."""
+    import safetensors.torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=next(iter(weights.values())).dtype)
-    model.load_state_dict(weights, strict=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"}).save_pretrained(tmp)
+        safetensors.torch.save_file(
+            {k: v.contiguous() for k, v in weights.items()}, f"{tmp}/model.safetensors"
+        )
+        dtype = next(iter(weights.values())).dtype
+        model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, output_loading_info=True)
+    unused = {
+        k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
+    if unused:
+        raise ValueError(f"the trainer's weights do not load into transformers' model: {unused}")
     out = model.eval().generate(
         torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
     )

@@ -96,10 +96,10 @@ def build_optimizer(model: Any, lr: float) -> Any:
 
 
 def cpu_stand_ins() -> None:
-    """What stands in for CUDA on a machine without GPUs (the tests): megatron-core's device queries answer
-    "cpu", the dropout RNG fork is a no-op (dropout is 0), and its optimizer, which creates its scalars on
-    'cuda' and accepts only `torch.cuda.*Tensor` parameters, gets CPU tensors reported under CUDA's type
-    names. Nothing else changes; on GPUs none of this runs."""
+    """What stands in for CUDA (and Transformer-Engine) on a machine without GPUs (the tests): megatron-core's
+    device queries answer "cpu", the dropout RNG fork is a no-op (dropout is 0), and its optimizer, which
+    creates its scalars on 'cuda' and accepts only `torch.cuda.*Tensor` parameters, gets CPU tensors reported
+    under CUDA's type names. Nothing else changes; on GPUs none of this runs."""
     import contextlib
     import types
 
@@ -108,6 +108,12 @@ def cpu_stand_ins() -> None:
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     tensor_parallel.get_cuda_rng_tracker().fork = lambda name=None: contextlib.nullcontext()
+    # No Transformer-Engine here: 0.16's MoE router reads `te_general_gemm`, which its moe_utils defines only
+    # when TE imports; None is what it means by "absent".
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
     def on_cpu(make: Any) -> Any:
         def made(*args: Any, **kwargs: Any) -> Any:
