@@ -8,6 +8,7 @@ metrics on --metrics-port.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -51,6 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="serve Prometheus metrics on this port at /metrics; 0 (default) disables",
     )
+    parser.add_argument(
+        "--allow-privileged-namespace",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="jobs in this namespace (repeatable; '*': any) may run privileged security contexts they opt in "
+        "to with spec.pod.allowPrivileged; default: none",
+    )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json", help="default: json")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
@@ -70,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         logging.getLogger("colocate_operator").error("invalid configuration: %s", e)
         return 2
+    config = dataclasses.replace(config, privileged_namespaces=frozenset(args.allow_privileged_namespace))
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     registry = kopf.get_default_registry()

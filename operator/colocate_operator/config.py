@@ -37,6 +37,10 @@ class OperatorConfig:
     # External meta-store addresses the operator may dial with a job's password (addresses.py); none: every
     # External job is refused.
     external_metastore_allow: AddressAllowList = field(default_factory=AddressAllowList)
+    # Namespaces whose jobs may run privileged security contexts (pods.privileged_fields), `*` any: the
+    # command line's --allow-privileged-namespace (chart value security.allowPrivilegedNamespaces). None by
+    # default: such a job gets no pods.
+    privileged_namespaces: frozenset[str] = frozenset()
     # The cluster serves the Workload/PodGroup API (gang.py): set at start from API discovery, not the env.
     native_gang: bool = False
 
@@ -85,6 +89,9 @@ class OperatorConfig:
         if config.reconcile_interval_seconds <= 0:
             raise ConfigError("COLOCATE_RECONCILE_INTERVAL_SECONDS must be positive")
         return config
+
+    def allows_privileged(self, namespace: str) -> bool:
+        return "*" in self.privileged_namespaces or namespace in self.privileged_namespaces
 
 
 def parse_labels(text: str, what: str) -> dict[str, str]:

@@ -157,6 +157,7 @@ class Reason:
     NOT_FINISHED: Final = "NotFinished"
     IPC_PREFLIGHT_FAILED: Final = "IPCPreflightFailed"  # spec.weightSync.ipcPreflight.mode Fail
     TRAINING_FAILED: Final = "TrainingFailed"  # the trainer's final record says the run failed
+    PRIVILEGED_NOT_ALLOWED: Final = "PrivilegedNotAllowed"  # privileged security contexts, not allowed here
     CHECKPOINT_REQUEST_NOT_WITHDRAWN: Final = "CheckpointRequestNotWithdrawn"  # resume: the pods wait on it
     # IPCReady (written by the step-event consumer; the failure reasons are the runtime's, events.py)
     PREFLIGHT_PASSED: Final = "PreflightPassed"

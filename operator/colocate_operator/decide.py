@@ -276,6 +276,7 @@ def decide(
             )
         return _plan(p, new, creates=creates, deletes=redis_restart, requeue_after=SOON)
 
+    privileged = pods.privileged_fields(spec)
     exits = [pod for pod in current if pod.phase in FINISHED]
     waiting_for_final = bool(exits) and not final_recorded and observed.final_record_pending
     cause = None if final_recorded or waiting_for_final else _group_failure(job, current, new["groupCreated"])
@@ -339,6 +340,16 @@ def decide(
             )
         elif not store.allowed:
             pass  # reported by MetaStoreReady: the pods would send the password to a refused address
+        elif privileged and not config.allows_privileged(job.ref.namespace):
+            message = (
+                f"pods are not created: {', '.join(privileged)} ask for privileges Pod Security "
+                f"restricted refuses, and namespace {job.ref.namespace} is not among the operator's "
+                "privileged namespaces (chart value security.allowPrivilegedNamespaces, "
+                "--allow-privileged-namespace)"
+            )
+            pods_condition = Condition(Cond.PODS_READY, False, Reason.PRIVILEGED_NOT_ALLOWED, message)
+            if p.previous_reason(Cond.PODS_READY) != Reason.PRIVILEGED_NOT_ALLOWED:
+                p.event("Warning", Reason.PRIVILEGED_NOT_ALLOWED, message)
         elif name_taken or not secret_ours:
             # The pods would dial (and send the password to) whatever holds the meta-store's names.
             pods_condition = Condition(

@@ -32,7 +32,7 @@ from colocate_operator.constants import (
     SOCKET_VOLUME,
 )
 from colocate_operator.metastore import MetaStoreEndpoint
-from colocate_operator.spec import DEFAULT_PORTS, ColocateJob
+from colocate_operator.spec import DEFAULT_PORTS, ColocateJob, ColocateJobSpec
 from colocate_runtime.contract import env
 
 ROLES = (CONTAINER_TRAINER, CONTAINER_ROLLOUT)
@@ -146,9 +146,38 @@ def secret_env(var: env.Var, secret: str, key: str) -> dict[str, Any]:
     return {"name": var.name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
+def privileged_fields(spec: ColocateJobSpec) -> list[str]:
+    """The fields of the spec's security contexts that ask for more than Pod Security "restricted" allows:
+    a privileged container, an added capability other than NET_BIND_SERVICE, Unconfined seccomp, UID 0. The
+    CRD refuses them unless `spec.pod.allowPrivileged`; the operator creates such pods only in the
+    namespaces its administrator listed (config.privileged_namespaces), whatever the CRD let through."""
+    found: list[str] = []
+    contexts = [
+        ("spec.trainer.securityContext", spec.trainer.security_context),
+        ("spec.rollout.securityContext", spec.rollout.security_context),
+        ("spec.pod.securityContext", spec.pod.security_context),
+    ]
+    for where, context in contexts:
+        if context.get("privileged") is True:
+            found.append(f"{where}.privileged")
+        added = (context.get("capabilities") or {}).get("add") or []
+        if any(cap != "NET_BIND_SERVICE" for cap in added):
+            found.append(f"{where}.capabilities.add")
+        if (context.get("seccompProfile") or {}).get("type") == "Unconfined":
+            found.append(f"{where}.seccompProfile")
+        if context.get("runAsUser") == 0:
+            found.append(f"{where}.runAsUser")
+    return found
+
+
 def security_context(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
-    """The user's fields replace the defaults' one by one (a user `capabilities` replaces ours whole)."""
-    return {**defaults, **user}
+    """The user's fields replace the defaults' one by one (a user `capabilities` replaces ours whole). A
+    privileged container drops our `allowPrivilegeEscalation: false` unless the user set it: the API server
+    refuses the two together."""
+    merged = {**defaults, **user}
+    if user.get("privileged") is True and "allowPrivilegeEscalation" not in user:
+        merged.pop("allowPrivilegeEscalation", None)
+    return merged
 
 
 def rollout_probes() -> dict[str, Any]:

@@ -114,6 +114,7 @@ class PodSpec(_Model):
     termination_grace_period_seconds: int = 30
     service_account_name: str | None = None
     automount_service_account_token: bool = False
+    allow_privileged: bool = False  # the job's opt-in past the CRD's rules; the operator's config decides
     security_context: dict[str, Any] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)

@@ -29,8 +29,11 @@ class OperatorProcess:
     """`python -m colocate_operator` watching one namespace as the chart runs it (its ServiceAccount's token,
     its container's environment), its JSON log kept in a file."""
 
-    def __init__(self, namespace: str, log_path: Path, identity: ChartIdentity, **env: str) -> None:
+    def __init__(
+        self, namespace: str, log_path: Path, identity: ChartIdentity, args: tuple[str, ...] = (), **env: str
+    ) -> None:
         self.namespace = namespace
+        self.args = args  # more command-line options, as the chart's values render them
         self.log_path = log_path
         self.identity = identity
         self.env = {
@@ -55,6 +58,7 @@ class OperatorProcess:
                     "--liveness",
                     f"http://127.0.0.1:{self.port}/healthz",
                     f"--metrics-port={self.metrics_port}",
+                    *self.args,
                 ],
                 cwd=ROOT,
                 env={**os.environ, **self.env, **env},

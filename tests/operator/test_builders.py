@@ -457,3 +457,26 @@ def test_user_nvidia_visible_devices_never_reaches_a_container(allocation: str) 
     assert visible == (
         [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if allocation == "DevicePlugin" else []
     )
+
+
+def test_privileged_fields_are_named_and_a_privileged_container_may_escalate() -> None:
+    """Issue 30, item 4: what the operator checks against its privileged namespaces (the CRD refuses the
+    same fields unless spec.pod.allowPrivileged)."""
+    job = factories.job(
+        trainer={"securityContext": {"privileged": True, "capabilities": {"add": ["NET_BIND_SERVICE"]}}},
+        rollout={"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}, "runAsUser": 0}},
+        pod={"allowPrivileged": True, "securityContext": {"seccompProfile": {"type": "Unconfined"}}},
+    )
+    assert pods.privileged_fields(job.spec) == [
+        "spec.trainer.securityContext.privileged",
+        "spec.rollout.securityContext.capabilities.add",
+        "spec.rollout.securityContext.runAsUser",
+        "spec.pod.securityContext.seccompProfile",
+    ]
+    assert pods.privileged_fields(factories.job().spec) == []
+    merged = pods.security_context({"allowPrivilegeEscalation": False}, {"privileged": True})
+    assert merged == {"privileged": True}, "the API server refuses privileged without escalation"
+    config = OperatorConfig(privileged_namespaces=frozenset({"team-a"}))
+    assert config.allows_privileged("team-a") and not config.allows_privileged("team-b")
+    assert OperatorConfig(privileged_namespaces=frozenset({"*"})).allows_privileged("any")
+    assert not OperatorConfig().allows_privileged("team-a")
