@@ -235,7 +235,7 @@ class _Slot:
     operation: object = None
     notify: bool = False  # a pass stopped waiting for it: its end queues the job
     last_read: CheckpointState | None = None
-    write_error: str | None = None  # the last write's failure, until a write succeeds (decide reports it)
+    write_error: str | None = None  # the last withdraw's failure, until a write succeeds (decide reports it)
 
 
 class CheckpointIO:
@@ -297,13 +297,13 @@ class CheckpointIO:
             return False
         with self._lock:
             slot = self._slots.setdefault(_key(job), _Slot())
-            slot.write_error = error
+            slot.write_error = error if what.withdraw else None  # a resume reports only its withdraw's
         if error is not None:
             raise CheckpointUnavailable(error)
         return True
 
     def write_error(self, job: ColocateJob) -> str | None:
-        """Why the job's last checkpoint write failed; None once one succeeded (or none failed)."""
+        """Why the job's last withdraw failed; None once a write succeeded (or none failed)."""
         with self._lock:
             slot = self._slots.get(_key(job))
             return None if slot is None else slot.write_error

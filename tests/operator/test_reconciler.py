@@ -568,3 +568,33 @@ def test_a_job_deleted_while_the_watch_was_down_is_not_refreshed_by_the_resync(
     assert ("get", "colocatejobs", "demo") in api.calls
     assert reconciler.known_jobs() == [], "found gone and forgotten"
     assert not [c for c in api.calls if c[0] == "create" and c[1] != "events"], "nothing created for it"
+
+
+def test_a_resume_whose_withdraw_fails_creates_the_stores_secret_but_no_pod(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    """Issue 30, item 5: the withdraw used to run first and raise, so the Secret deleted while the job was
+    suspended was never created again. Now only the pods wait; the phase stays Suspended (the next pass
+    withdraws again) and the Suspended condition says why."""
+    bring_up(api, reconciler)
+    for key in [k for k in api.objects if k[0] == "pods"]:
+        del api.objects[key]
+    job = api.job()
+    job["status"].update(
+        phase="Suspended",
+        groupCreated=False,
+        suspension={"requestTime": "2026-01-01T00:00:00Z", "checkpointRequested": True},
+    )
+    api.touch(job)
+    del api.objects[("secrets", "ns", "demo-metastore-auth")]
+    reconciler.reconcile("ns", "demo")  # the withdraw fails: no Secret to read the password from
+    reconciler.reconcile("ns", "demo")  # the Secret is read again, and created
+    assert ("secrets", "ns", "demo-metastore-auth") in api.objects
+    assert api.pods() == [], "no pod before the request is withdrawn"
+    status = api.job()["status"]
+    assert status["phase"] == "Suspended"
+    suspended = next(c for c in status["conditions"] if c["type"] == "Suspended")
+    assert (
+        suspended["reason"] == "CheckpointRequestNotWithdrawn"
+        and "demo-metastore-auth" in suspended["message"]
+    )
