@@ -2,9 +2,9 @@
 control plane with the operator, its containers' own commands (torchrun + real megatron-core 0.16.1 at TP 2,
 real SGLang 0.5.23 at TP 2 started exactly as the job says, no user module), a real Redis. After every step
 SGLang's parameters equal the trainer's bit for bit and its greedy output equals transformers' from the
-trainer's weights (the summary's "yes, every pod"); the job ends Succeeded. Also a TP 1 trainer (two
-data-parallel ranks) feeding SGLang at TP 2, and a Qwen3-MoE trainer with its experts split over two ranks
-(EP 2) feeding SGLang at TP 2, whose expert slices cross GPUs (the reshard exchange)."""
+trainer's weights (the summary's "yes, every pod"); the job ends Succeeded. Also a TP 1 Qwen3-MoE trainer
+with its experts split over two ranks (EP 2) feeding SGLang at TP 2, whose expert slices cross GPUs (the
+reshard exchange)."""
 
 from __future__ import annotations
 
@@ -54,10 +54,11 @@ def summary_rows(out: str) -> list[list[str]]:
     ("args", "steps"),
     [
         ((), 3),
-        (("--train-tensor", "1"), 2),
+        # A TP 1 trainer (two ranks, experts split over them) feeding SGLang at TP 2; the dense TP 1 case
+        # (`--train-tensor 1` alone, the local path) ran the same way when added and is left out for time.
         (("--model", "qwen3-moe", "--train-tensor", "1", "--train-expert", "2"), 2),
     ],
-    ids=["tp2-to-tp2", "tp1-to-tp2", "moe-ep2-to-tp2"],
+    ids=["tp2-to-tp2", "moe-tp1-ep2-to-tp2"],
 )
 def test_megatron_example_runs_as_documented_bitwise_every_step(
     tmp_path: Path, args: tuple[str, ...], steps: int
