@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -227,14 +228,11 @@ def _boxes(layout: Layout, rank: int) -> dict[str, tuple[Box, tuple[int, ...]]]:
     return {s.name: (s.box, s.global_shape) for s in layout.rank_shards(rank).shards}
 
 
-def gather_layout(
-    own: RankShards, *, group: dist.ProcessGroup | None = None, device: torch.device | None = None
-) -> Layout:
-    """Collective: each rank states what it holds (`own.rank` = its rank in `group`); every rank gets the
-    whole layout. JSON over two all-gathers (sizes, then padded bytes)."""
-    device = device or default_device(group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    blob = json.dumps(own.to_json(), separators=(",", ":")).encode()
+def allgather_json(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
+    """Collective over `group` (None: the default group): every rank's JSON-able `obj`, in rank order. Two
+    all-gathers: the sizes, then the bytes padded to the largest."""
+    world = dist.get_world_size(group)
+    blob = json.dumps(obj, separators=(",", ":")).encode()
     size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
@@ -243,10 +241,17 @@ def gather_layout(
     mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     gathered = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(gathered, mine.to(device), group=group)
-    ranks = [
-        RankShards.from_json(json.loads(bytes(g[:n].cpu().tolist())))
-        for g, n in zip(gathered, lengths, strict=True)
-    ]
+    return [json.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths, strict=True)]
+
+
+def gather_layout(
+    own: RankShards, *, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Layout:
+    """Collective: each rank states what it holds (`own.rank` = its rank in `group`); every rank gets the
+    whole layout. JSON over two all-gathers (sizes, then padded bytes)."""
+    device = device or default_device(group)
+    rank = dist.get_rank(group)
+    ranks = [RankShards.from_json(data) for data in allgather_json(own.to_json(), group, device)]
     wrong = [(r, s.rank) for r, s in enumerate(ranks) if s.rank != r]
     if wrong:  # every rank sees the same data, so every rank raises
         raise ShardError(

@@ -20,7 +20,6 @@ A failure on any worker (no record, a model or layout mismatch) is raised on eve
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from colocate_runtime.colocated.config import ColocateConfig
+from colocate_runtime.colocated.exchange import allgather_json as exchange_allgather_json
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.colocated.wiring import reshard_exchange
@@ -275,21 +275,8 @@ def _slices(box: Box) -> str:
 
 
 def allgather_json(obj: Any, group: dist.ProcessGroup | None, device: torch.device) -> list[Any]:
-    """Collective: every group rank's JSON-able `obj`, in rank order (two all-gathers: sizes, padded bytes).
-    Without a group: this process alone."""
-    if group is None:
-        return [obj]
-    world = dist.get_world_size(group)
-    blob = json.dumps(obj, separators=(",", ":")).encode()
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [int(s.item()) for s in sizes]
-    mine = torch.zeros(max(lengths), dtype=torch.uint8)
-    mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    gathered = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(gathered, mine.to(device), group=group)
-    return [json.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths, strict=True)]
+    """Collective: every group rank's JSON-able `obj`, in rank order. Without a group: this process alone."""
+    return [obj] if group is None else exchange_allgather_json(obj, group, device)
 
 
 @dataclass
