@@ -1,0 +1,1 @@
+"""Stand-in package (see megatron/training/__init__.py)."""

@@ -1,0 +1,1 @@
+"""Agent rollout building blocks."""

@@ -1,0 +1,1 @@
+"""Megatron train-side train/rollout numerical-alignment helpers."""

@@ -1,0 +1,1 @@
+from . import megatron_chunked_grad_coalesce_patch  # noqa: F401
