@@ -23,8 +23,8 @@ CHART = ROOT / "charts" / "colocate-operator"
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 # The apiserver's words when RBAC refuses a request, and kopf's when it falls back for lack of a permission.
 FORBIDDEN_MARKS = ("403 Forbidden", "is forbidden:", "Not enough permissions")
-# Also a 403, but admission refusing the object (Pod Security), not RBAC refusing the operator.
-NOT_RBAC_MARKS = ("violates PodSecurity",)
+# Also a 403, but admission refusing the object (Pod Security, a quota), not RBAC refusing the operator.
+NOT_RBAC_MARKS = ("violates PodSecurity", "exceeded quota")
 
 
 def get_json(cluster: Cluster, *args: str) -> dict:

@@ -130,6 +130,7 @@ class Reason:
     WAITING_FOR_BACKOFF: Final = "WaitingForBackoff"
     WAITING_FOR_OLD_PODS: Final = "WaitingForOldPods"
     WAITING_FOR_FINAL_RECORD: Final = "WaitingForFinalRecord"  # a pod exited; did the trainer finish?
+    CREATE_REFUSED: Final = "CreateRefused"  # the API server refused a pod (quota, policy): backing off
     # Admitted (a job with a Kueue queue; the message carries Kueue's own words)
     QUEUED_BY_KUEUE: Final = "QueuedByKueue"  # waiting for quota: no pods
     ADMITTED_BY_KUEUE: Final = "AdmittedByKueue"
@@ -147,6 +148,7 @@ class Reason:
     META_STORE_PASSWORD_CHANGED: Final = "MetaStorePasswordChanged"  # its Secret was deleted and made anew
     GROUP_RUNNING: Final = "GroupRunning"
     ENGINE_EXITED: Final = "EngineExited"  # SGLang exited and this cluster cannot restart it alone
+    ENGINE_CRASH_LOOPING: Final = "EngineCrashLooping"  # SGLang restarted in place past maxEngineRestarts
     # EngineRecovered
     ENGINE_RESTARTING: Final = "EngineRestarting"
     ENGINE_SERVING: Final = "EngineServing"

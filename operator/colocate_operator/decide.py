@@ -18,13 +18,17 @@ from colocate_operator import conditions, disruption, gang, gpus, kueue, metasto
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
-from colocate_operator.observed import ClaimState, Observed, PodState, child_key
+from colocate_operator.observed import ClaimState, CreateRefusal, Observed, PodState, child_key
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import final_failure, final_step_recorded
 
 SOON = 1.0  # seconds: re-check after creating or deleting, when no watch event may come
 NAME_TAKEN_RECHECK = 10.0  # a child name held by someone else: look again now and then, not at 1 Hz
 FINISHED = ("Succeeded", "Failed")
+# A create the API server refused (a quota, an admission policy) is tried again after 5 s, then 10, 20, ...
+# at most every 5 minutes, until one of that kind succeeds (issue 30, item 6).
+CREATE_BACKOFF_SECONDS = 5.0
+CREATE_BACKOFF_CAP_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,29 @@ def restart_delay(restarts: int, base_seconds: float, cap_seconds: float) -> flo
     if restarts <= 0 or base_seconds <= 0:
         return 0.0
     return float(min(cap_seconds, base_seconds * 2 ** min(restarts - 1, 30)))
+
+
+def create_backoff(attempts: int) -> float:
+    """Seconds to wait after `attempts` refused creates in a row: 5, 10, 20, ... capped at 300."""
+    if attempts <= 0:
+        return 0.0
+    return float(min(CREATE_BACKOFF_CAP_SECONDS, CREATE_BACKOFF_SECONDS * 2 ** min(attempts - 1, 30)))
+
+
+def create_retry_at(refusal: CreateRefusal) -> datetime:
+    return refusal.at + timedelta(seconds=create_backoff(refusal.attempts))
+
+
+def _refusal(p: _Pass, kind: str) -> CreateRefusal | None:
+    return next((r for r in p.observed.create_refusals if r.kind == kind), None)
+
+
+def _refusal_message(refusal: CreateRefusal) -> str:
+    times = "once" if refusal.attempts == 1 else f"{refusal.attempts} times in a row"
+    return (
+        f"the API server refused creating {refusal.kind.lower()} {refusal.name} ({times}; next attempt at "
+        f"{conditions.timestamp(create_retry_at(refusal))}): {refusal.message}"
+    )
 
 
 def _min_delay(*delays: float | None) -> float | None:
@@ -356,7 +383,17 @@ def decide(
                 Cond.PODS_READY, False, Reason.NAME_TAKEN, f"pods are not created: {name_taken}"
             )
             requeue = _min_delay(requeue, NAME_TAKEN_RECHECK)
+        elif (refusal := _refusal(p, "Pod")) is not None and now < create_retry_at(refusal):
+            # Refused by admission (a quota, a policy): not again before the backoff ends, whatever pass.
+            pods_condition = Condition(
+                Cond.PODS_READY, False, Reason.CREATE_REFUSED, _refusal_message(refusal)
+            )
+            requeue = _min_delay(requeue, (create_retry_at(refusal) - now).total_seconds())
         else:
+            if refusal is not None:  # trying again: the condition keeps the server's words meanwhile
+                pods_condition = Condition(
+                    Cond.PODS_READY, False, Reason.CREATE_REFUSED, _refusal_message(refusal)
+                )
             store_pods = [
                 kueue.place(pods.pod(job, i, restarts, store, config), observed.workload_placement)
                 for i in range(p.n)
@@ -997,9 +1034,14 @@ def _plan(
     new["conditions"] = conditions.merge(
         list(p.status.get("conditions") or []), p.updates, p.now, p.job.ref.generation
     )
+    # Children of a kind the API server refused wait for its backoff to end (pods: above, with a condition).
+    held = {r.kind: create_retry_at(r) for r in p.observed.create_refusals if p.now < create_retry_at(r)}
+    dropped = [held[m["kind"]] for m in creates or () if m["kind"] in held]
+    if dropped:
+        requeue_after = _min_delay(requeue_after, (min(dropped) - p.now).total_seconds())
     return Plan(
         status=new,
-        creates=tuple(creates or ()),
+        creates=tuple(m for m in creates or () if m["kind"] not in held),
         deletes=tuple(deletes or ()),
         force_deletes=tuple(p.force_deletes),
         persist_first=persist_first,

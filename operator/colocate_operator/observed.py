@@ -204,6 +204,19 @@ class CheckpointState:
 
 
 @dataclass(frozen=True)
+class CreateRefusal:
+    """The API server refused creating this job's children of one kind (admission: a quota, a policy; or an
+    error), `attempts` times in a row, the last `at`; `message` is the server's. Kept by the reconciler in
+    memory until a create of that kind succeeds (issue 30, item 6)."""
+
+    kind: str
+    name: str
+    attempts: int
+    at: datetime
+    message: str
+
+
+@dataclass(frozen=True)
 class Observed:
     """`children` holds `Kind/name` of every non-pod child that exists and belongs to this job; `foreign`
     the child names held by objects the job does not own.
@@ -235,6 +248,8 @@ class Observed:
     workload: WorkloadState | None = None
     workload_priority: int | None = None
     workload_placement: Placement | None = None  # the admitted flavors' node labels and tolerations
+    # Kinds whose last create the API server refused (CreateRefusal): held back until their backoff ends.
+    create_refusals: tuple[CreateRefusal, ...] = ()
 
 
 @dataclass

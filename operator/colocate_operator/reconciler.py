@@ -34,10 +34,17 @@ from colocate_operator import (
 )
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import API_VERSION, COMPONENT_METASTORE, COMPONENT_WORKER, KIND, Phase
-from colocate_operator.decide import EventSpec, Plan, decide
+from colocate_operator.decide import EventSpec, Plan, create_backoff, decide
 from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
-from colocate_operator.observed import ClaimState, ForeignChild, Observed, PodState, StreamProgress
+from colocate_operator.observed import (
+    ClaimState,
+    CreateRefusal,
+    ForeignChild,
+    Observed,
+    PodState,
+    StreamProgress,
+)
 from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import StatusView, final_step_recorded, status_patch
@@ -99,6 +106,9 @@ class Reconciler:
         self._exits_seen: dict[
             str, float
         ] = {}  # job uid -> when a pod exit awaiting the final record was seen
+        # job uid -> kind -> its creates refused in a row (decide.py backs off on them), until one succeeds.
+        self._refusals: dict[str, dict[str, CreateRefusal]] = {}
+        self._refusals_lock = threading.Lock()
 
     # Entry points ----------------------------------------------------------------------------------------
 
@@ -168,6 +178,8 @@ class Reconciler:
             if uid is not None:
                 self.known.forget(uid)
                 self._exits_seen.pop(uid, None)
+                with self._refusals_lock:
+                    self._refusals.pop(uid, None)
             self.checkpoint_io.forget(namespace, name)
             self.indexes.forget(namespace, name)
             self.queue.forget(key)
@@ -201,6 +213,9 @@ class Reconciler:
         observed = self._final_record(job, status, self._observe(job, status))
         observed = workloads.observe(self.api, job, observed)  # a job Kueue queues: its Workload
         observed = self.checkpoint_io.observe(job, status, observed)  # while a suspend waits
+        with self._refusals_lock:
+            refusals = tuple((self._refusals.get(job.ref.uid) or {}).values())
+        observed = replace(observed, create_refusals=refusals)
         now = self.clock()
         plan = decide(job, status, observed, now, self.config, secrets.token_urlsafe(32))
         workloads.write(self.api, job, observed, plan, now)
@@ -445,8 +460,12 @@ class Reconciler:
         if plan.delete_job:
             self.api.delete(kube.COLOCATE_JOBS, ns, job.ref.name, uid=job.ref.uid)
             return GONE
-        if failed_creates:
-            return 5.0
+        if failed_creates:  # the next pass holds back what was refused until its backoff ends
+            with self._refusals_lock:
+                attempts = min(
+                    (r.attempts for r in (self._refusals.get(job.ref.uid) or {}).values()), default=1
+                )
+            return create_backoff(attempts)
         if withdraw_pending:
             return min(CHECKPOINT_RETRY_SECONDS, plan.requeue_after or CHECKPOINT_RETRY_SECONDS)
         if plan.requeue_after is not None:
@@ -462,12 +481,13 @@ class Reconciler:
         failed = 0
         held: set[str] = set()
         created: list[str] = []
+        refused: dict[str, tuple[str, str]] = {}  # kind -> (name, the API server's message)
         for number in range(3):
             wave = [m for m in manifests if _wave(m["kind"]) == number and m["kind"] not in held]
             if self.config.create_delay_seconds or len(wave) <= 1:  # fault injection: a predictable order
-                outcomes = [self._create(job, m) for m in wave]
+                outcomes = [self._create(job, m, refused) for m in wave]
             else:
-                outcomes = list(self._creators.map(lambda m: self._create(job, m), wave))
+                outcomes = list(self._creators.map(lambda m: self._create(job, m, refused), wave))
             failed += outcomes.count(FAILED)
             for manifest, outcome in zip(wave, outcomes, strict=True):
                 if outcome == CREATED:
@@ -476,11 +496,13 @@ class Reconciler:
                     held |= {"Deployment", "Pod"}
                 elif outcome == TAKEN and manifest["kind"] != "Pod":
                     held.add("Pod")
+        if refused:
+            self._count_refusals(job.ref.uid, refused)
         if created:  # one line per pass, not one per child (a new job makes seven)
             log.info("created", extra={"job": f"{job.ref.namespace}/{job.ref.name}", "children": created})
         return failed
 
-    def _create(self, job: ColocateJob, manifest: dict[str, Any]) -> str:
+    def _create(self, job: ColocateJob, manifest: dict[str, Any], refused: dict[str, tuple[str, str]]) -> str:
         ns, kind = job.ref.namespace, manifest["kind"]
         what = {"job": f"{ns}/{job.ref.name}", "kind": kind, "child": manifest["metadata"]["name"]}
         if kind == "Pod" and self.config.create_delay_seconds:
@@ -494,6 +516,8 @@ class Reconciler:
                 self.known.conflict(job.ref.uid, f"{kind}/{manifest['metadata']['name']}")
                 return TAKEN
             log.warning("create failed: %s", e, extra=what)
+            if kind not in refused or manifest["metadata"]["name"] < refused[kind][0]:  # the first by name
+                refused[kind] = (manifest["metadata"]["name"], e.message)
             key = (ns, job.ref.name, kind, manifest["metadata"]["name"], e.status)
             if time.monotonic() - self._failure_events.get(key, -EVENT_REPEAT_SECONDS) < EVENT_REPEAT_SECONDS:
                 return FAILED  # the same failure was reported recently: retried, but not re-posted
@@ -507,11 +531,22 @@ class Reconciler:
                 EventSpec("Warning", "FailedToCreate", f"{kind} {manifest['metadata']['name']}: {e.message}"),
             )
             return FAILED
+        with self._refusals_lock:
+            self._refusals.get(job.ref.uid, {}).pop(kind, None)  # a success ends the backoff
         if kind == "Pod":
             self.indexes.created_pod(ns, job.ref.name, manifest["metadata"]["name"], created)
         else:
             self.known.saw_children(job.ref.uid, [f"{kind}/{manifest['metadata']['name']}"])
         return CREATED
+
+    def _count_refusals(self, uid: str, refused: dict[str, tuple[str, str]]) -> None:
+        """One more refusal in a row for each kind refused in this pass (a pass's pods count once)."""
+        now = self.clock()
+        with self._refusals_lock:
+            kinds = self._refusals.setdefault(uid, {})
+            for kind, (name, message) in refused.items():
+                last = kinds.get(kind)
+                kinds[kind] = CreateRefusal(kind, name, (last.attempts if last else 0) + 1, now, message)
 
     def _write_status(self, job: ColocateJob, body: dict[str, Any], patch: dict[str, Any]) -> bool:
         resource_version = body["metadata"].get("resourceVersion")

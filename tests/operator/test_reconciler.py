@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -233,14 +233,22 @@ def test_conflicting_status_write_defers_the_deletion(api: FakeKube, reconciler:
     assert api.pods() == []
 
 
-def test_create_failures_are_reported_once_and_retried(api: FakeKube, reconciler: Reconciler) -> None:
+def test_create_failures_are_reported_once_and_retried_after_a_backoff(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    now = [NOW]
+    reconciler.clock = lambda: now[0]
     api.fail_create["networkpolicies"] = 403
     assert reconciler._pass("ns", "demo") == 5.0
-    assert reconciler._pass("ns", "demo") == 5.0
+    reconciler._pass("ns", "demo")  # within the 5 s backoff: not tried again (issue 30, item 6)
+    assert api.calls.count(("create", "networkpolicies", "demo-metastore")) == 1
+    now[0] += timedelta(seconds=5)
+    assert reconciler._pass("ns", "demo") == 10.0  # refused twice in a row: 10 s
     # Once per object: the meta-store's and the workers' NetworkPolicy.
     assert api.event_reasons().count("FailedToCreate") == 2
     assert api.calls.count(("create", "networkpolicies", "demo-metastore")) == 2
     del api.fail_create["networkpolicies"]
+    now[0] += timedelta(seconds=10)
     reconciler._pass("ns", "demo")
     assert ("networkpolicies", "ns", "demo-metastore") in api.objects
     assert ("networkpolicies", "ns", "demo-workers") in api.objects
