@@ -2,8 +2,13 @@
 # Builds the project's container images on this machine, with no image registry: a Debian base made from
 # Debian's packages with mmdebstrap (python3.11 of the pinned suite), imported as an image; a pause image for
 # the real node's pod sandboxes (Kubernetes' own pause.c, from the kubernetes module the control plane is
-# built from); and the operator image from the repository's Dockerfile on top of that base
-# (--build-arg BASE_IMAGE/BASE_TAG; the Dockerfile's default stays the public base pinned by digest).
+# built from); the operator image from the repository's Dockerfile on top of that base
+# (--build-arg BASE_IMAGE/BASE_TAG; the Dockerfile's default stays the public base pinned by digest); the
+# meta-store's Redis (images/redis/Dockerfile: Debian's redis-server on the same base); and the worker
+# containers' runtime image (images/runtime/Dockerfile: this package with torch on the CPU, the SGLang
+# stand-in and the demo's trainer) on a second base made by mmdebstrap from Debian trixie, whose python3-torch
+# (2.6, CPU only) stands in for PyTorch's CPU wheels: download.pytorch.org is not reachable here, and PyPI's
+# torch for Linux is the CUDA build (about 4 GB with its NVIDIA libraries).
 #
 # Each image is skipped when its inputs did not change (a label on the image holds their hash). Beside the
 # images, docker-archive tarballs that the real node's containerd imports (`ctr -n k8s.io images import`)
@@ -24,8 +29,13 @@ started=$SECONDS
 suite=bookworm  # the pinned Debian suite: python3 is 3.11 there
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 base_packages=python3,python3-venv,python-is-python3,ca-certificates
+# The runtime's base: Debian trixie, whose python3-torch is 2.6 on the CPU (bookworm's is 1.13).
+runtime_suite=trixie
+runtime_packages=python3,python3-venv,python-is-python3,python3-torch,passwd,ca-certificates
 version=$(grep -E '^appVersion:' charts/colocate-operator/Chart.yaml | grep -oE '[0-9][^"]*' | head -1)
 operator_ref=localhost/colocate-operator:$version
+runtime_ref=localhost/colocate-runtime:$version
+redis_ref=localhost/colocate-redis:7.0-bookworm
 pause_ref=localhost/pause:colocate
 out="${COLOCATE_CACHE_DIR:-$HOME/.cache/colocate-operator}/images"
 
@@ -57,25 +67,30 @@ save() {  # save <ref> <archive name>: the archive the node's containerd imports
   rm -f "$tmp" && podman save --quiet --format docker-archive -o "$tmp" "$1" && mv "$tmp" "$out/$2"
 }
 
-# 1. The base: a Debian root filesystem from Debian's packages, imported as an image.
-base_key=$(printf '%s\n' "$suite" "$base_packages" "v1" | sha256sum | cut -c1-12)
-base_ref=localhost/colocate-base:$suite-py311-$base_key
-if podman image exists "$base_ref"; then
-  log "base $base_ref cached"
-else
-  t=$SECONDS
-  log "making the base root filesystem: mmdebstrap $suite ($base_packages)"
+# 1. The bases: Debian root filesystems from Debian's packages, imported as images.
+make_base() {  # make_base <ref> <suite> <packages> [more mmdebstrap options...]
+  local ref=$1 suite=$2 packages=$3 key=${1##*-} t=$SECONDS tar
+  shift 3
+  if podman image exists "$ref"; then log "base $ref cached"; return; fi
+  log "making a base root filesystem: mmdebstrap $suite ($packages)"
   tar=$(mktemp -p "$out" base-XXXXXX.tar)
   trap 'rm -f "$tar"' EXIT
-  mmdebstrap --quiet --variant=minbase --include="$base_packages" \
+  mmdebstrap --quiet --variant=minbase --include="$packages" "$@" \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
     --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
     "$suite" "$tar" "$mirror"
-  podman import --quiet --change 'CMD ["python3"]' --change "LABEL dev.colocate.inputs=$base_key" \
-    "$tar" "$base_ref" >/dev/null
+  podman import --quiet --change 'CMD ["python3"]' --change "LABEL dev.colocate.inputs=$key" \
+    "$tar" "$ref" >/dev/null
   rm -f "$tar"
-  log "base $base_ref made in $((SECONDS - t)) s"
-fi
+  log "base $ref made in $((SECONDS - t)) s"
+}
+base_key=$(printf '%s\n' "$suite" "$base_packages" "v1" | sha256sum | cut -c1-12)
+base_ref=localhost/colocate-base:$suite-py311-$base_key
+make_base "$base_ref" "$suite" "$base_packages"
+# Without recommends: python3-torch's would add compilers and MPI's tools.
+runtime_base_key=$(printf '%s\n' "$runtime_suite" "$runtime_packages" "no-recommends" "v1" | sha256sum | cut -c1-12)
+runtime_base_ref=localhost/colocate-base:$runtime_suite-torch-$runtime_base_key
+make_base "$runtime_base_ref" "$runtime_suite" "$runtime_packages" --aptopt='Apt::Install-Recommends "false"'
 
 # 2. The pause image: the sandbox every pod's network namespace hangs on (containerd's sandbox_image).
 pause_src=$(cd tools/k8s && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c
@@ -95,35 +110,51 @@ else
   log "pause $pause_ref built in $((SECONDS - t)) s"
 fi
 
-# 3. The operator image from the Dockerfile, on the base above. Its inputs: the Dockerfile, the base, and
-# the files its COPY lines take (tracked or not, as git sees them).
-inputs=(pyproject.toml README.md operator runtime devcluster)
-operator_key=$(
-  {
-    echo "$base_ref"
-    sha256sum Dockerfile
-    git ls-files -co --exclude-standard -- "${inputs[@]}" | LC_ALL=C sort | xargs -d '\n' sha256sum
-  } | sha256sum | cut -c1-12
-)
-if [ "$(label "$operator_ref")" = "$operator_key" ] && [ -s "$out/colocate-operator.tar" ]; then
-  log "operator $operator_ref cached"
-else
-  t=$SECONDS
-  log "building $operator_ref from the Dockerfile on $base_ref"
-  buildah bud --quiet --layers=false --network host "${ulimits[@]}" "${ca_mount[@]}" \
-    --build-arg "BASE_IMAGE=${base_ref%:*}" --build-arg "BASE_TAG=${base_ref##*:}" --label "dev.colocate.inputs=$operator_key" \
-    -t "$operator_ref" -f Dockerfile . >/dev/null
-  save "$operator_ref" colocate-operator.tar
-  log "operator $operator_ref built in $((SECONDS - t)) s"
-fi
+# 3. The images built from Dockerfiles on those bases. Their inputs: the Dockerfile, the base, and the files
+# their COPY lines take (tracked or not, as git sees them).
+build_image() {  # build_image <ref> <archive> <Dockerfile> <context> <base ref> <layers> <input paths...>
+  local ref=$1 archive=$2 dockerfile=$3 context=$4 base=$5 layers=$6 key t=$SECONDS
+  shift 6
+  key=$(
+    {
+      echo "$base"
+      sha256sum "$dockerfile"
+      git ls-files -co --exclude-standard -- "$@" | LC_ALL=C sort | xargs -r -d '\n' sha256sum
+    } | sha256sum | cut -c1-12
+  )
+  if [ "$(label "$ref")" = "$key" ] && [ -s "$out/$archive" ]; then log "$ref cached"; return; fi
+  log "building $ref from $dockerfile on $base"
+  buildah bud --quiet --layers="$layers" --network host "${ulimits[@]}" "${ca_mount[@]}" \
+    --build-arg "BASE_IMAGE=${base%:*}" --build-arg "BASE_TAG=${base##*:}" --label "dev.colocate.inputs=$key" \
+    -t "$ref" -f "$dockerfile" "$context" >/dev/null
+  save "$ref" "$archive"
+  log "$ref built in $((SECONDS - t)) s"
+}
+# README.md is copied for the package's metadata (pyproject's readme) only: its edits rebuild nothing.
+sources=(pyproject.toml operator runtime devcluster)
+build_image "$operator_ref" colocate-operator.tar Dockerfile . "$base_ref" false "${sources[@]}"
+build_image "$redis_ref" colocate-redis.tar images/redis/Dockerfile images/redis "$base_ref" false
+# The runtime image with buildah's layer cache: its dependencies' layer (torch's base, pip) is reused until
+# pyproject.toml changes; a source change rebuilds the last layers only.
+build_image "$runtime_ref" colocate-runtime.tar images/runtime/Dockerfile . "$runtime_base_ref" true \
+  "${sources[@]}" demo/trainer.py
 
-# The image must start: its entry point's --help, as the non-root user it runs as.
-podman run --rm --network none "${ulimits[@]}" "$operator_ref" --help >/dev/null \
-  || { log "the image $operator_ref does not start: podman run $operator_ref --help failed"; exit 1; }
+# Each image must start, as the non-root user it runs as.
+check() {  # check <what> <ref> <command...>
+  local what=$1 ref=$2
+  shift 2
+  podman run --rm --network none "${ulimits[@]}" "$ref" "$@" >/dev/null \
+    || { log "the image $ref does not start: podman run $ref $* failed ($what)"; exit 1; }
+}
+check "the operator's --help" "$operator_ref" --help
+check "redis-server --version" "$redis_ref" redis-server --version
+check "the runtime's imports" "$runtime_ref" python -c \
+  "import os, torch, colocate_runtime.sglang.standin; assert os.getuid() == 10001 and not torch.cuda.is_available()"
 podman image prune -f >/dev/null 2>&1 || true  # older untagged builds
 
-printf '%s %s\n' "$pause_ref" pause.tar "$operator_ref" colocate-operator.tar > "$out/images.txt"
-for ref in "$base_ref" "$pause_ref" "$operator_ref"; do
+printf '%s %s\n' "$pause_ref" pause.tar "$operator_ref" colocate-operator.tar "$redis_ref" colocate-redis.tar \
+  "$runtime_ref" colocate-runtime.tar > "$out/images.txt"
+for ref in "$base_ref" "$runtime_base_ref" "$pause_ref" "$operator_ref" "$redis_ref" "$runtime_ref"; do
   log "$(podman image inspect --format "$ref {{.Size}}" "$ref" | awk '{printf "%s %.0f MB", $1, $2 / 1e6}')"
 done
 log "images ready in $((SECONDS - started)) s: $out"
