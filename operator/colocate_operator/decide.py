@@ -622,6 +622,9 @@ def _group_failure(job: ColocateJob, current: list[PodState], group_created: boo
     for pod in current:
         if pod.phase == "Failed":
             return (Reason.POD_EVICTED if pod.reason == "Evicted" else Reason.POD_FAILED), pod.describe()
+    crash_loop = _engine_crash_loop(job, current)
+    if crash_loop is not None:
+        return Reason.ENGINE_CRASH_LOOPING, crash_loop
     for pod in current:
         if pod.engine_exit_code not in (None, 0) and not pod.engine_restart_in_place:
             return (
@@ -644,6 +647,23 @@ def _group_failure(job: ColocateJob, current: list[PodState], group_created: boo
         if missing:
             return Reason.POD_DELETED, f"pod {names.pod(job.ref.name, missing[0])} disappeared"
     return None
+
+
+def _engine_crash_loop(job: ColocateJob, current: list[PodState]) -> str | None:
+    """SGLang restarted in place more often in this group than runPolicy.maxEngineRestarts allows (issue 30,
+    item 7): the group restarts rather than leave the job Running with an engine that never serves."""
+    seen = sum(pod.engine_restarts for pod in current)
+    limit = job.spec.run_policy.max_engine_restarts
+    if seen <= limit:
+        return None
+    worst = max(current, key=lambda pod: pod.engine_restarts)
+    code = worst.engine_last_exit_code
+    return (
+        f"SGLang restarted in place {seen} times in this group, more than spec.runPolicy.maxEngineRestarts="
+        f"{limit} (pod {worst.name}: {worst.engine_restarts} restarts"
+        + (f", last exit code {code}" if code is not None else "")
+        + ")"
+    )
 
 
 def _ready_count(current: list[PodState]) -> int:

@@ -122,6 +122,8 @@ class PodSpec(_Model):
 
 class RunPolicy(_Model):
     max_restarts: int = 3
+    # SGLang's in-place restarts a group incarnation may use (over all its pods) before the group restarts.
+    max_engine_restarts: int = 5
     backoff_seconds: int = 10
     suspend_grace_period_seconds: int = 60
     active_deadline_seconds: int | None = None
