@@ -251,6 +251,20 @@ def new_publisher(preset: Preset, tplan, tensors: dict, env: dict, mode: str):  
     )
 
 
+def _record_published(writer) -> dict[int, list]:  # type: ignore[no-untyped-def]
+    """The buckets each step published, as the writer waits for its ACK (the wait frees them), whether the
+    bench or the Publisher waits: for the kept-export counts."""
+    published: dict[int, list] = {}
+    wait = writer.wait_and_free
+
+    def recording(pending, *args, **kwargs):  # type: ignore[no-untyped-def]
+        published[pending.step] = list(pending.buckets)
+        return wait(pending, *args, **kwargs)
+
+    writer.wait_and_free = recording
+    return published
+
+
 def flat_copy_seconds(nbytes: int, device, repeat: int = 5) -> float:  # type: ignore[no-untyped-def]
     """The floor: one device copy of `nbytes` between two flat buffers, best of `repeat`."""
     import torch
@@ -318,6 +332,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         writer = new_writer(ColocateConfig.from_env(env), device=device if device.type == "cuda" else None)
     steps = []
     shares: list[tuple[object, ...]] = []  # per step: which export of each kept bucket it published
+    published_by_step = _record_published(writer)
     try:
         t0 = time.perf_counter()
         pieces = tplan.bind(tensors)
@@ -345,7 +360,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
                 pending = writer.publish_in_place(step, layout, keep_mapped=mode == "kept")
             if publisher is None:
                 report = writer.wait_and_free(pending)
-            published = list(pending.buckets)
+            published = published_by_step[step]  # waiting freed the step's buckets
             total = time.perf_counter() - t0
             steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
             ack = writer.store.read_ack(writer.gen, step, writer.uuid)  # outside the timed step
