@@ -97,6 +97,8 @@ case "${1:-}" in
     prepare) prepare ;;
     test) setup_device; run_tests ;;
     gpu-tests) setup_device; run_all_gpu_tests ;;
+    pytest) shift; setup_device; NCCL_NVLS_ENABLE=0 python3 -m pytest -p no:cacheprovider "$@" ;;  # chosen tests
+    vmm) shift; setup_device; python3 bench/vmm_bench.py "$@" ;;
     bench) shift; setup_device; run_bench "$@" ;;
     copy) shift; setup_device; run_bench --role copy "$@" ;;
     step) shift; setup_device; python3 bench/step_bench.py "$@" ;;

@@ -95,18 +95,28 @@ class Driver:
     def free_address(self, ptr: int, size: int) -> None:
         self._check(self.cu.cuMemAddressFree(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "address free")
 
-    def map_new(self, ptr: int, size: int) -> int:
+    def create(self, size: int) -> int:
         handle = ctypes.c_uint64()
         self._check(
             self.cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop), 0),
             "create",
         )
-        self._check(self.cu.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(size), 0, handle, 0), "map")
+        return handle.value
+
+    def map(self, ptr: int, size: int, handle: int, offset: int = 0) -> None:
+        self._check(self.cu.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(size), offset, handle, 0), "map")
+
+    def allow(self, ptr: int, size: int) -> None:
         self._check(
             self.cu.cuMemSetAccess(ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.byref(self.access), 1),
             "access",
         )
-        return handle.value
+
+    def map_new(self, ptr: int, size: int) -> int:
+        handle = self.create(size)
+        self.map(ptr, size, handle)
+        self.allow(ptr, size)
+        return handle
 
     def unmap_release(self, ptr: int, size: int, handle: int) -> None:
         self._check(self.cu.cuMemUnmap(ctypes.c_uint64(ptr), ctypes.c_size_t(size)), "unmap")
@@ -143,6 +153,47 @@ def time_cycle(driver: Driver, sizes: list[int]) -> dict[str, float]:
     return {"release_ms": (t1 - t0) * 1e3, "resume_ms": (t2 - t1) * 1e3}
 
 
+def time_phases(driver: Driver, sizes: list[int]) -> dict[str, float]:
+    """Resume split by call: cuMemCreate, cuMemMap, cuMemSetAccess, each over every range (ms)."""
+    ranges = [(driver.reserve(s), s) for s in sizes]
+    t0 = time.perf_counter()
+    handles = [driver.create(s) for _, s in ranges]
+    t1 = time.perf_counter()
+    for (p, s), h in zip(ranges, handles, strict=True):
+        driver.map(p, s, h)
+    t2 = time.perf_counter()
+    for p, s in ranges:
+        driver.allow(p, s)
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    for (p, s), h in zip(ranges, handles, strict=True):
+        driver.unmap_release(p, s, h)
+        driver.free_address(p, s)
+    return {"create_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "access_ms": (t3 - t2) * 1e3}
+
+
+def time_one_handle(driver: Driver, sizes: list[int]) -> dict[str, float]:
+    """Resume as one physical allocation mapped piecewise into every range (cuMemMap's offset): what a
+    memory saver could do per tag instead of one cuMemCreate per tensor (ms)."""
+    ranges = [(driver.reserve(s), s) for s in sizes]
+    t0 = time.perf_counter()
+    handle = driver.create(sum(sizes))
+    offset = 0
+    for p, s in ranges:
+        driver.map(p, s, handle, offset)
+        driver.allow(p, s)
+        offset += s
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    for p, s in ranges:
+        driver._check(driver.cu.cuMemUnmap(ctypes.c_uint64(p), ctypes.c_size_t(s)), "unmap")
+    driver._check(driver.cu.cuMemRelease(ctypes.c_uint64(handle)), "release")
+    t2 = time.perf_counter()
+    for p, s in ranges:
+        driver.free_address(p, s)
+    return {"resume_ms": (t1 - t0) * 1e3, "release_ms": (t2 - t1) * 1e3}
+
+
 def time_cudamalloc(total: int) -> dict[str, float]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -175,14 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=61.0, help="bytes to release and resume (GiB)")
     ap.add_argument("--tensors", type=int, default=435, help="allocations of the model-like cut")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--granules", action="store_true", help="also 2 MiB allocations (about 10 s on an H200)")
     args = ap.parse_args(argv)
     total = _round(int(args.gib * 2**30))
     driver = Driver(torch.cuda.current_device())
-    cuts = {
-        "one": [total],
-        "tensors": split(total, args.tensors),
-        "granules": [_GRANULE] * (total // _GRANULE),
-    }
+    cuts = {"one": [total], "tensors": split(total, args.tensors)}
+    if args.granules:
+        cuts["granules"] = [_GRANULE] * (total // _GRANULE)
     line: dict[str, Any] = {"gib": args.gib, "device": torch.cuda.get_device_name(0)}
     for name, sizes in cuts.items():
         runs = [time_cycle(driver, sizes) for _ in range(args.repeats)]
@@ -192,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             "resume_ms": round(min(r["resume_ms"] for r in runs), 2),
         }
         print(name, line[name], flush=True)
+    tensors = cuts["tensors"]
+    phases = [time_phases(driver, tensors) for _ in range(args.repeats)]
+    line["tensors_phases_ms"] = {k: round(min(r[k] for r in phases), 2) for k in phases[0]}
+    shared = [time_one_handle(driver, tensors) for _ in range(args.repeats)]
+    line["tensors_one_handle"] = {k: round(min(r[k] for r in shared), 2) for k in shared[0]}
+    print("phases", line["tensors_phases_ms"], "one handle", line["tensors_one_handle"], flush=True)
     line["cudamalloc"] = {k: round(v, 2) for k, v in time_cudamalloc(total).items()}
     line["copy_ms"] = round(time_copy(total), 2)
     line["date"] = time.strftime("%Y-%m-%d")
