@@ -87,7 +87,10 @@ def container_env(cluster: Cluster, pod: dict, container: str) -> dict[str, str]
                     "get", "secret", ref["name"], "-n", pod["metadata"]["namespace"], "-o", "json"
                 ).stdout
             )
-            env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+            if ref["key"] in secret.get("data", {}):
+                env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+            elif not ref.get("optional"):  # a kubelet would not start the container
+                raise KeyError(f"Secret {ref['name']} has no key {ref['key']}")
         elif ref := var.get("valueFrom", {}).get("fieldRef"):
             value: Any = pod
             for part in ref["fieldPath"].split("."):

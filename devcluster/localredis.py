@@ -27,6 +27,11 @@ def redis_binary() -> str | None:
     return os.environ.get("COLOCATE_REDIS_SERVER") or shutil.which("redis-server")
 
 
+def acl_lines(redis_conf: str) -> str:
+    """The `user` lines of a redis.conf (the operator's managed meta-store Secret holds one)."""
+    return "".join(line + "\n" for line in redis_conf.splitlines() if line.startswith("user "))
+
+
 @dataclass
 class RedisServer:
     workdir: Path  # holds its log (and nothing else: no persistence)
@@ -34,6 +39,9 @@ class RedisServer:
     host: str = HOST  # another loopback address stands in for a Service IP
     port: int = field(default_factory=free_port)
     password: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    # Extra config lines: the `user` (ACL) lines of a managed meta-store's redis.conf (`acl_lines`), so that a
+    # stand-in for the job's Redis pod admits its worker user as that pod does.
+    acl: str = field(default="", repr=False)
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -54,7 +62,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = (
             f'port {self.port}\nbind {self.host}\nrequirepass {self.password}\nsave ""\nappendonly no\n'
-            f"dir {self.workdir}\nprotected-mode yes\n"
+            f"dir {self.workdir}\nprotected-mode yes\n{self.acl}"
         )
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(

@@ -6,6 +6,10 @@ operator (its network position, the NetworkPolicies that admit it) at any host a
 administrator lists the addresses that are meta-stores; anything else is refused before a Secret is read.
 
 Addresses are compared as written, never resolved: a resolved name could change between check and dial.
+A name must be fully qualified (or be an IP): `redis.shared.svc` or `redis` would be completed by each pod's
+DNS search path, so the same entry would name a different Service in every tenant's namespace. A name is taken
+as fully qualified when it ends with a dot, or has at least three labels and does not end in `.svc` (write
+`redis.shared.svc.cluster.local`); an entry that is not is refused, naming it, when the operator starts.
 """
 
 from __future__ import annotations
@@ -14,7 +18,30 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-_HOST = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_HOST = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?\.?$")
+
+
+def fully_qualified(name: str) -> bool:
+    """An IP literal, a name ending with a dot, or one of three or more labels not ending in `.svc`."""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    if name.endswith("."):
+        return True
+    labels = name.split(".")
+    return len(labels) >= 3 and labels[-1] != "svc"
+
+
+def _not_qualified(entry: str, host: str) -> ValueError:
+    return ValueError(
+        f"{entry!r}: {host!r} is not a fully qualified name or an IP address; a short name is completed by "
+        "each pod's DNS search path, so it would name a different host in every namespace (write e.g. "
+        "redis.shared.svc.cluster.local, or end the name with a dot)"
+    )
+
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -47,9 +74,14 @@ class AddressRule:
         if host.startswith("*."):
             if not _HOST.match(host[2:]):
                 raise ValueError(f"{entry!r}: {host[2:]!r} is not a DNS name")
+            # What is under the domain has one label more: the domain needs two (example.com, not com).
+            if not fully_qualified("x." + host[2:]):
+                raise _not_qualified(entry, host[2:])
             return cls(text, suffix=host[1:], port=port)
         if not _HOST.match(host):
             raise ValueError(f"{entry!r} is not host, host:port, *.domain, a CIDR or *")
+        if not fully_qualified(host):
+            raise _not_qualified(entry, host)
         return cls(text, host=host, port=port)
 
     def matches(self, host: str, port: int) -> bool:

@@ -40,7 +40,7 @@ from colocate_operator.metastore import endpoint
 from colocate_operator.observed import CheckpointState, Observed
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import StatusView
-from colocate_operator.stepwatch import check_managed_store_owned, password_from_secret
+from colocate_operator.stepwatch import check_managed_store_owned, password_from_secret, username_of
 from colocate_runtime.contract.checkpoint import (
     MAX_ID_CHARS,
     MAX_RECORD_BYTES,
@@ -213,7 +213,8 @@ def _connect(api: kube.Kube, job: ColocateJob, config: OperatorConfig) -> redis.
         check_managed_store_owned(api, ns, name, job.ref.uid)
     password = password_from_secret(api, ns, store.secret_name, store.secret_key)
     host, _, port = store.address.rpartition(":")
-    return redis.Redis(host=host, port=int(port), password=password, **client_options())
+    username = username_of(api, store, ns)
+    return redis.Redis(host=host, port=int(port), username=username, password=password, **client_options())
 
 
 def _text(value: bytes | str) -> str:

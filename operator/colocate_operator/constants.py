@@ -44,7 +44,11 @@ GPU_TAINT_KEY: Final = "nvidia.com/gpu"
 
 # The managed meta-store.
 REDIS_PORT: Final = 6379
-SECRET_PASSWORD_KEY: Final = "password"
+SECRET_PASSWORD_KEY: Final = "password"  # the operator's (Redis user `default`)
+SECRET_WORKER_PASSWORD_KEY: Final = "worker-password"  # the job's pods' (WORKER_REDIS_USER)
+WORKER_REDIS_USER: Final = "colocate-worker"
+# External: the optional key of the job's password Secret naming the Redis user of that password.
+SECRET_USERNAME_KEY: Final = "username"
 SECRET_CONFIG_KEY: Final = "redis.conf"
 REDIS_CONFIG_MOUNT: Final = "/etc/colocate-redis"
 # Patched Redis (7.4.6 fixed the Lua RCE CVE-2025-49844, which no ACL can block: the protocol needs EVAL),

@@ -1,7 +1,18 @@
 """Pure builders for the job's meta-store: Secret, Redis Deployment, Service, NetworkPolicy.
 
-The password lives only in the Secret. Redis reads it from a config file mounted from that Secret, so it is
-neither in a pod spec nor on a process command line; the job's pods get it through secretKeyRef.
+The passwords live only in the Secret. Redis reads them (as SHA-256 digests) from a config file mounted from
+that Secret, so they are neither in a pod spec nor on a process command line; the job's pods get theirs
+through secretKeyRef.
+
+Two Redis users (ACL, `redis_config`): `default`, the operator's, may run anything; `colocate-worker`, the
+job's pods', may run what the runtime's protocol needs on the job's own keys only (`~colocate:<ns>:<job>:*`),
+and no admin or dangerous command (CLIENT PAUSE/KILL, CONFIG, DEBUG, MONITOR, SHUTDOWN, ACL, FLUSHALL, KEYS,
+...): a container of the job can neither stall nor reconfigure the store the operator reads. The worker's
+password is derived from the operator's (HMAC-SHA256, one way): the pods cannot compute the operator's.
+
+The Secret is immutable: an edit cannot hand Redis and the pods different passwords. A new password is a new
+Secret: delete it, and the operator creates it again with fresh passwords and restarts Redis and the pods on
+it (decide.py, MetaStorePasswordChanged).
 
 Redis always runs under a memory limit with `maxmemory` below it and `noeviction`: a write the store cannot
 hold is refused with an error the writer reports ("OOM command not allowed"), where without it the kernel
@@ -15,6 +26,8 @@ their own bounded reads. The largest legitimate reply, a big model's layout, is 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -28,9 +41,13 @@ from colocate_operator.constants import (
     REDIS_PORT,
     SECRET_CONFIG_KEY,
     SECRET_PASSWORD_KEY,
+    SECRET_USERNAME_KEY,
+    SECRET_WORKER_PASSWORD_KEY,
+    WORKER_REDIS_USER,
 )
 from colocate_operator.quantity import parse_quantity
 from colocate_operator.spec import ColocateJob
+from colocate_runtime.contract.jobkeys import job_prefix
 
 REDIS_UID = 999  # the redis user of the official images
 DEFAULT_REDIS_RESOURCES: dict[str, dict[str, Any]] = {
@@ -43,11 +60,16 @@ MAXMEMORY_SHARE = 0.75
 # Hard limit of one ordinary client's pending output (a reply larger than this closes its connection); no soft
 # limit, so a slow but honest reader of a big layout is never cut off.
 OUTPUT_BUFFER_LIMIT = "64mb"
+# What the worker user may not run beside the @admin and @dangerous categories: key-name listings (the key
+# patterns do not filter them), and script and function management (another client's scripts).
+WORKER_DENIED = ("-scan", "-randomkey", "-function", "-script|flush", "-script|kill")
 
 
 @dataclass(frozen=True)
 class MetaStoreEndpoint:
-    """What the pods need: an address and where the password is (never the password itself)."""
+    """What the pods need: an address and where the password is (never the password itself). `secret_key` is
+    the operator's password; `pod_secret_key` the pods' (Managed: the worker user's), and the pods' Redis
+    user is `username` (Managed) or the Secret's `username_key` when present (External)."""
 
     mode: str
     address: str
@@ -56,6 +78,13 @@ class MetaStoreEndpoint:
     # Whether the operator may dial it with the password: its own Managed Redis always, an External one only
     # when the operator's allow-list names it (addresses.py). A refused job gets no pods.
     allowed: bool = True
+    pod_secret_key: str = ""
+    username: str | None = None
+    username_key: str | None = None
+
+    @property
+    def pods_password_key(self) -> str:
+        return self.pod_secret_key or self.secret_key
 
     def status(self) -> dict[str, str]:
         return {"mode": self.mode, "address": self.address, "secretName": self.secret_name}
@@ -75,19 +104,62 @@ def endpoint(job: ColocateJob, config: OperatorConfig) -> MetaStoreEndpoint:
         ref = store.external.password_secret_ref
         address = store.external.address
         allowed = config.external_metastore_allow.allows(address)
-        return MetaStoreEndpoint("External", address, ref.name, ref.key, allowed)
+        return MetaStoreEndpoint(
+            "External", address, ref.name, ref.key, allowed, username_key=SECRET_USERNAME_KEY
+        )
     host = names.service_fqdn(names.metastore(job.ref.name), job.ref.namespace, config.cluster_domain)
     return MetaStoreEndpoint(
-        "Managed", f"{host}:{REDIS_PORT}", names.metastore_secret(job.ref.name), SECRET_PASSWORD_KEY
+        "Managed",
+        f"{host}:{REDIS_PORT}",
+        names.metastore_secret(job.ref.name),
+        SECRET_PASSWORD_KEY,
+        pod_secret_key=SECRET_WORKER_PASSWORD_KEY,
+        username=WORKER_REDIS_USER,
     )
 
 
-def redis_config(password: str) -> str:
-    # No persistence: the meta-store holds per-step coordination keys with TTLs, nothing worth a disk.
+def worker_password(password: str) -> str:
+    """The worker user's password, derived one way from the operator's (the Secret holds both)."""
+    return hmac.new(password.encode(), b"colocate-worker", hashlib.sha256).hexdigest()
+
+
+def _digest(password: str) -> str:
+    return "#" + hashlib.sha256(password.encode()).hexdigest()
+
+
+def worker_acl(namespace: str, job: str) -> str:
+    """The worker user's rules, without its name and password: the job's keys, no channels, no admin or
+    dangerous command but INFO (the runtime reads the server's run_id to notice a restart). The same rules
+    suit a per-job user of a shared External store (operator/README.md, "Meta-store users")."""
+    return " ".join(
+        [
+            "resetkeys",
+            f"~{job_prefix(namespace, job)}:*",
+            "resetchannels",
+            "-@all",
+            "+@all",
+            "-@admin",
+            "-@dangerous",
+            "+info",
+            *WORKER_DENIED,
+        ]
+    )
+
+
+def redis_config(password: str, namespace: str = "", job: str = "") -> str:
+    """The managed Redis's config: the operator's `default` user, the pods' worker user (when the job is
+    named) limited to the job's keys. No persistence: per-step coordination keys with TTLs, nothing worth a
+    disk."""
+    users = [f"user default on {_digest(password)} ~* &* +@all"]
+    if job:
+        users.append(
+            f"user {WORKER_REDIS_USER} reset on {_digest(worker_password(password))} "
+            + worker_acl(namespace, job)
+        )
     return "\n".join(
         [
             f"port {REDIS_PORT}",
-            f"requirepass {password}",
+            *users,
             'save ""',
             "appendonly no",
             "dir /data",
@@ -103,7 +175,12 @@ def secret(job: ColocateJob, password: str) -> dict[str, Any]:
         "kind": "Secret",
         "metadata": names.metadata(job.ref, names.metastore_secret(job.ref.name), COMPONENT_METASTORE),
         "type": "Opaque",
-        "stringData": {SECRET_PASSWORD_KEY: password, SECRET_CONFIG_KEY: redis_config(password)},
+        "immutable": True,  # an edit would split Redis and the pods; a new password is a new Secret
+        "stringData": {
+            SECRET_PASSWORD_KEY: password,
+            SECRET_WORKER_PASSWORD_KEY: worker_password(password),
+            SECRET_CONFIG_KEY: redis_config(password, job.ref.namespace, job.ref.name),
+        },
     }
 
 

@@ -134,7 +134,7 @@ def contract_env(
     if spec.model.config:
         values.append((env.MODEL_CONFIG, spec.model.config))
     rendered = [var.render(value) for var, value in values]
-    rendered.append(secret_env(env.METASTORE_PASSWORD, store.secret_name, store.secret_key))
+    rendered.extend(metastore_credentials_env(store))
     key = spec.rollout.api_key_secret_ref
     if key is not None:
         # Both containers: SGLang runs with it, the trainer's client sends it.
@@ -142,8 +142,25 @@ def contract_env(
     return rendered
 
 
-def secret_env(var: env.Var, secret: str, key: str) -> dict[str, Any]:
-    return {"name": var.name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+def secret_env(var: env.Var, secret: str, key: str, *, optional: bool = False) -> dict[str, Any]:
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": var.name, "valueFrom": {"secretKeyRef": ref}}
+
+
+def metastore_credentials_env(store: MetaStoreEndpoint) -> list[dict[str, Any]]:
+    """The pods' Redis user and password: Managed, the worker user (the job's keys, no admin command);
+    External, the Secret's `username` key when it has one (else Redis's `default` user)."""
+    rendered = []
+    if store.username is not None:
+        rendered.append(env.METASTORE_USERNAME.render(store.username))
+    elif store.username_key is not None:
+        rendered.append(
+            secret_env(env.METASTORE_USERNAME, store.secret_name, store.username_key, optional=True)
+        )
+    rendered.append(secret_env(env.METASTORE_PASSWORD, store.secret_name, store.pods_password_key))
+    return rendered
 
 
 def privileged_fields(spec: ColocateJobSpec) -> list[str]:

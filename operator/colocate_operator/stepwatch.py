@@ -188,6 +188,25 @@ def _credentials(
     return password_from_secret(api, namespace, store.secret_name, store.secret_key)
 
 
+def username_of(
+    api: kube.Kube, store: MetaStoreEndpoint, namespace: str, secret_reads: SecretReads | None = None
+) -> str | None:
+    """The Redis user of the operator's password: None (`default`) for its Managed store; for an External one
+    the Secret's `username` key where present (a shared store's per-job ACL user, operator/README.md)."""
+    if store.mode == "Managed" or store.username_key is None:
+        return None
+    seen = secret_reads.recent(namespace, store.secret_name) if secret_reads is not None else None
+    data = (
+        seen.data
+        if seen is not None
+        else (api.get(kube.SECRETS, namespace, store.secret_name) or {}).get("data")
+    )
+    raw = (data or {}).get(store.username_key)
+    if not raw:
+        return None
+    return base64.b64decode(raw).decode().strip() or None
+
+
 # Status writes -------------------------------------------------------------------------------------------
 
 
@@ -475,11 +494,12 @@ class _Bell:
 
     PROBE = b"colocate-bell"
 
-    def __init__(self, address: str, password: str) -> None:
+    def __init__(self, address: str, password: str, username: str | None = None) -> None:
         host, _, port = address.rpartition(":")
         self._options: dict[str, Any] = {
             "host": host,
             "port": int(port),
+            "username": username,
             "password": password,
             "socket_timeout": READ_BLOCK_MAX_SECONDS + 5,
             "socket_connect_timeout": 5,
@@ -538,10 +558,12 @@ class _Reader:
     interrupts the wait (joins arriving together share the next read). A connection failure lets go of every
     job: each resolves its credentials again and joins anew."""
 
-    def __init__(self, address: str, password: str, on_close: Callable[[_Reader], None]) -> None:
-        self.client = stream_client(address, password)
+    def __init__(
+        self, address: str, password: str, on_close: Callable[[_Reader], None], username: str | None = None
+    ) -> None:
+        self.client = stream_client(address, password, username=username)
         self.script = self.client.register_script(STREAM_READ_SCRIPT)
-        self.bell = _Bell(address, password)
+        self.bell = _Bell(address, password, username)
         self.jobs: dict[str, _Follow] = {}
         self.xreads = 0
         self._turn = 0  # the stream read first rotates: a reply's byte bound favours none
@@ -714,11 +736,11 @@ class Readers:
     def __len__(self) -> int:
         return len(self._by_endpoint)
 
-    def reader(self, address: str, password: str) -> _Reader:
-        key = (address, hashlib.sha256(password.encode()).hexdigest())
+    def reader(self, address: str, password: str, username: str | None = None) -> _Reader:
+        key = (address, hashlib.sha256(f"{username or ''}\0{password}".encode()).hexdigest())
         reader = self._by_endpoint.get(key)
         if reader is None or reader.closed:
-            reader = _Reader(address, password, lambda r: self._closed(key, r))
+            reader = _Reader(address, password, lambda r: self._closed(key, r), username)
             self._by_endpoint[key] = reader
         return reader
 
@@ -807,7 +829,8 @@ async def _follow(
                     _credentials, api, store, namespace, name, uid, secret_reads, fresh
                 )
                 fresh = True
-                reader = readers.reader(store.address, password)
+                username = await readers.call(username_of, api, store, namespace, secret_reads)
+                reader = readers.reader(store.address, password, username)
                 lost = reader.attach(state)
                 deadline = float(sync.progress_deadline_seconds)
                 await _write_until_lost(api, readers, body, state, writes, lost, deadline)

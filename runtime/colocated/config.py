@@ -42,6 +42,8 @@ class MetaStoreAddress:
     host: str
     port: int
     password: str = field(repr=False)
+    # The Redis (ACL) user; None: `default`. The operator's pods get one limited to the job's keys.
+    username: str | None = None
 
     def __str__(self) -> str:  # safe to log: no password
         return f"{self.host}:{self.port}"
@@ -127,7 +129,12 @@ class ColocateConfig:
         return ColocateConfig(
             job=read(env.JOB_NAME),
             namespace=read(env.NAMESPACE),
-            metastore=MetaStoreAddress(host.strip("[]"), int(port), read(env.METASTORE_PASSWORD)),
+            metastore=MetaStoreAddress(
+                host.strip("[]"),
+                int(port),
+                read(env.METASTORE_PASSWORD),
+                read(env.METASTORE_USERNAME),
+            ),
             replica_index=read(env.REPLICA_INDEX),
             bucket_bytes=read(env.BUCKET_MB) << 20,
             step_timeout_s=step_timeout_s,

@@ -270,6 +270,7 @@ class MetaStore:
         client = redis.Redis(
             host=address.host,
             port=address.port,
+            username=address.username,
             password=address.password,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=min(2.0, socket_timeout_s),

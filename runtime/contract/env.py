@@ -142,13 +142,24 @@ METASTORE_ADDR = Var(
     source="`<job>-metastore.<ns>.svc.<domain>:6379`, or `metaStore.external.address`",
     required=True,
 )
+METASTORE_USERNAME = Var(
+    "COLOCATE_METASTORE_USERNAME",
+    str,
+    None,
+    "the Redis user the pods authenticate as (ACL): limited to the job's keys, no admin command",
+    _CONFIG,
+    source="`colocate-worker` (Managed); External: key `username` of `metaStore.external.passwordSecretRef`'s"
+    " Secret, where present (`secretKeyRef`, optional)",
+    default_doc="unset: Redis's `default` user",
+)
 METASTORE_PASSWORD = Var(
     "COLOCATE_METASTORE_PASSWORD",
     str,
     None,
-    "the Redis password; never logged",
+    "the password of `COLOCATE_METASTORE_USERNAME`; never logged",
     _CONFIG,
-    source="`secretKeyRef`: `<job>-metastore-auth`/`password`, or `metaStore.external.passwordSecretRef`",
+    source="`secretKeyRef`: `<job>-metastore-auth`/`worker-password`, or "
+    "`metaStore.external.passwordSecretRef`",
     required=True,
     secret=True,
 )
@@ -500,6 +511,7 @@ POD = (
     NAMESPACE,
     REPLICA_INDEX,
     METASTORE_ADDR,
+    METASTORE_USERNAME,
     METASTORE_PASSWORD,
     BUCKET_MB,
     STEP_TIMEOUT_SECONDS,

@@ -108,7 +108,10 @@ def crd(cluster) -> Path:
 
 # What the chart is installed with in these tests: the External meta-stores the tests use (the real Redis
 # servers on loopback, the address that waits for its Secret) and nothing else.
-TEST_CHART_VALUES = ("--set", "externalMetaStore.allowedAddresses={127.0.0.1/32,redis.shared.svc:6379}")
+TEST_CHART_VALUES = (
+    "--set",
+    "externalMetaStore.allowedAddresses={127.0.0.1/32,redis.shared.svc.cluster.local:6379}",
+)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -138,15 +139,20 @@ def test_env_contract_in_both_containers() -> None:
     for env in (trainer, rollout):
         assert {k: env[k] for k in expected} == expected
         assert env["COLOCATE_METASTORE_PASSWORD"] == {
-            "secretKeyRef": {"name": "rl-metastore-auth", "key": "password"}
+            "secretKeyRef": {"name": "rl-metastore-auth", "key": "worker-password"}
         }
+        assert env["COLOCATE_METASTORE_USERNAME"] == "colocate-worker"
     assert (trainer["COLOCATE_CONTAINER"], rollout["COLOCATE_CONTAINER"]) == ("trainer", "rollout")
 
 
 @pytest.mark.parametrize(
     ("override", "addr", "secret"),
     [
-        ({}, "demo-metastore.ns.svc.cluster.local:6379", {"name": "demo-metastore-auth", "key": "password"}),
+        (
+            {},
+            "demo-metastore.ns.svc.cluster.local:6379",
+            {"name": "demo-metastore-auth", "key": "worker-password"},
+        ),
         (
             {
                 "metaStore": {
@@ -302,7 +308,9 @@ def test_metastore_password_only_in_the_secret() -> None:
     password = "s3cr3t-Pa55word-for-the-test"
     secret, deployment, service, policy = metastore.managed_children(job, CONFIG, password)
     assert secret["stringData"]["password"] == password
-    assert f"requirepass {password}" in secret["stringData"]["redis.conf"]
+    # Redis holds only digests of the operator's and the worker's passwords (test_metastore_acl.py).
+    assert password not in secret["stringData"]["redis.conf"]
+    assert hashlib.sha256(password.encode()).hexdigest() in secret["stringData"]["redis.conf"]
     for other in (
         deployment,
         service,

@@ -22,7 +22,8 @@ from tests.operator import factories
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = OperatorConfig(external_metastore_allow=AddressAllowList.parse("redis:6379"))  # the External tests
+# The External tests' allow-list.
+CONFIG = OperatorConfig(external_metastore_allow=AddressAllowList.parse("redis.example.com:6379"))
 INFRA = frozenset(
     {
         "Secret/demo-metastore-auth",
@@ -470,7 +471,7 @@ def test_external_metastore_secret_missing() -> None:
     job = factories.job(
         metaStore={
             "mode": "External",
-            "external": {"address": "redis:6379", "passwordSecretRef": {"name": "redis-auth"}},
+            "external": {"address": "redis.example.com:6379", "passwordSecretRef": {"name": "redis-auth"}},
         }
     )
     children = frozenset(

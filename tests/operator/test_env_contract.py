@@ -90,7 +90,13 @@ def test_pod_env_round_trips_through_from_env(variant: str) -> None:
         key = spec.rollout.api_key_secret_ref
         assert (cfg.job, cfg.namespace, cfg.replica_index) == (job.ref.name, job.ref.namespace, 1)
         assert (cfg.metastore.host, cfg.metastore.port) == (host, int(port))
-        assert cfg.metastore.password == secret_value({"name": store.secret_name, "key": store.secret_key})
+        assert cfg.metastore.password == secret_value(
+            {"name": store.secret_name, "key": store.pods_password_key}
+        )
+        expected_user = store.username
+        if store.username_key is not None:  # External: the Secret's `username` key, where present
+            expected_user = secret_value({"name": store.secret_name, "key": store.username_key})
+        assert cfg.metastore.username == expected_user
         assert cfg.bucket_bytes == sync.bucket_mb << 20
         assert cfg.step_timeout_s == sync.step_timeout_seconds
         assert cfg.key_ttl_s >= 2 * sync.step_timeout_seconds  # derived: the config is valid at any timeout

@@ -1,7 +1,7 @@
 """External meta-stores on the real control plane (M9): the operator started as the chart runs it (allow-list
-127.0.0.1/32 and redis.shared.svc:6379, tests/operator/conftest.py) refuses a job that names another address:
-a condition naming the address and the chart value, no pods, and not one connection to that address (a
-listener there would have received the job's password in an AUTH)."""
+127.0.0.1/32 and redis.shared.svc.cluster.local:6379, tests/operator/conftest.py) refuses a job that names
+another address: a condition naming the address and the chart value, no pods, and not one connection to that
+address (a listener there would have received the job's password in an AUTH)."""
 
 from __future__ import annotations
 

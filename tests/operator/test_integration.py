@@ -307,25 +307,43 @@ def test_redis_password_appears_in_no_pod_spec_log_or_event(
     secret = get(cluster, namespace, "secret", "demo-metastore-auth")
     password = base64.b64decode(secret["data"]["password"]).decode()
     assert len(password) >= 32
-    assert f"requirepass {password}" in base64.b64decode(secret["data"]["redis.conf"]).decode()
+    worker_password = base64.b64decode(secret["data"]["worker-password"]).decode()
+    assert secret["immutable"] is True
+    config = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert password not in config and worker_password not in config  # digests only
+    # Immutable: an edit cannot split Redis and the pods (a new password is a new Secret, decide.py).
+    edit = cluster.kubectl(
+        "patch",
+        "secret",
+        "demo-metastore-auth",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"stringData": {"password": "x" * 40}}),
+        check=False,
+    )
+    assert edit.returncode != 0 and "immutable" in edit.stderr, edit.stderr
 
     for pod in [
         *pods(cluster, namespace),
         *get(cluster, namespace, "pods", "-l", "colocate.dev/component=metastore")["items"],
     ]:
         text = json.dumps(pod)
-        assert password not in text, pod["metadata"]["name"]
+        assert password not in text and worker_password not in text, pod["metadata"]["name"]
         for container in pod["spec"]["containers"]:
             refs = [e for e in container.get("env") or [] if e["name"] == "COLOCATE_METASTORE_PASSWORD"]
             if pod["metadata"]["labels"]["colocate.dev/component"] == "worker":
                 assert refs == [
                     {
                         "name": "COLOCATE_METASTORE_PASSWORD",
-                        "valueFrom": {"secretKeyRef": {"name": "demo-metastore-auth", "key": "password"}},
+                        "valueFrom": {
+                            "secretKeyRef": {"name": "demo-metastore-auth", "key": "worker-password"}
+                        },
                     }
                 ]
     others = get(cluster, namespace, "deployments,replicasets,services,networkpolicies,colocatejobs,events")
-    assert password not in json.dumps(others)
+    assert password not in json.dumps(others) and worker_password not in json.dumps(others)
     all_events = events(cluster, namespace)
     assert len(all_events) > 5
     # kopf's own log lines are not posted as Events (they would carry reason "Logging").
@@ -357,7 +375,10 @@ def test_external_metastore_waits_for_its_secret(
 ) -> None:
     external = {
         "mode": "External",
-        "external": {"address": "redis.shared.svc:6379", "passwordSecretRef": {"name": "shared-redis"}},
+        "external": {
+            "address": "redis.shared.svc.cluster.local:6379",
+            "passwordSecretRef": {"name": "shared-redis"},
+        },
     }
     apply_job(cluster, namespace, metaStore=external)
     wait_for(
@@ -372,7 +393,7 @@ def test_external_metastore_waits_for_its_secret(
     status = wait_phase(cluster, namespace, "Running")
     assert status["metaStore"] == {
         "mode": "External",
-        "address": "redis.shared.svc:6379",
+        "address": "redis.shared.svc.cluster.local:6379",
         "secretName": "shared-redis",
     }
     assert get(cluster, namespace, "deployments")["items"] == []

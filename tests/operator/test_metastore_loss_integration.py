@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from colocate_devcluster.localredis import RedisServer, redis_binary
+from colocate_devcluster.localredis import RedisServer, acl_lines, redis_binary
 from colocate_devcluster.processes import free_port
 from demo.run import INIT_LOADER, LOADER, container_env, spawn
 from tests.kube import ChartIdentity, wait_for
@@ -102,7 +102,10 @@ def test_managed_redis_pod_deleted_mid_run_the_next_steps_succeed(
     # The Redis pod's stand-in: on the Service IP and Redis's port, with the job's password; empty at every
     # start, like a rescheduled pod.
     password = base64.b64decode(secret["data"]["password"]).decode()
-    redis_server = RedisServer(tmp_path, binary, host=service_ip, port=REDIS_PORT, password=password)
+    users = acl_lines(base64.b64decode(secret["data"]["redis.conf"]).decode())  # the pods' worker user
+    redis_server = RedisServer(
+        tmp_path, binary, host=service_ip, port=REDIS_PORT, password=password, acl=users
+    )
     redis_server.start()
     stack.callback(redis_server.stop)
 
