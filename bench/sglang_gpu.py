@@ -359,7 +359,13 @@ class Engine:
 
 
 def gpu_free() -> int | None:
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    """The GPU's free memory as if this (the trainer's) process held nothing in its caching allocator: what
+    SGLang's side holds shows, the bench's own tensors do not (a failed step's inputs, still referenced here,
+    took one more 24 MiB segment for the tiny MoE). The trainer's buckets are checked on their own
+    (`trainer: every step's buckets freed`)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
 
 
 def sync() -> None:
@@ -535,8 +541,8 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
             )
             last = weights
             # SGLang's own load of the same weights, under checkpoint names, in the same server. It comes
-            # after the memory readings: its host-to-GPU copies stay cached in the scheduler's allocator
-            # (24 MiB for the tiny MoE), which is SGLang's load and not a step of ours.
+            # after the memory readings: its host-to-GPU copies stay cached in the scheduler's allocator,
+            # which is SGLang's load and not a step of ours.
             ours = engine.probe("dump")["params"]
             torch.save(
                 {n: t.cpu() for n, t in to_checkpoint(last, config).items()},

@@ -7,7 +7,9 @@ cuMemMap + cuMemSetAccess), once per allocation. This times those driver calls a
 libcuda, for the same bytes cut three ways: one allocation, the model's own tensors (SGLang allocates one
 per parameter), and 2 MiB granules; and, beside them, cudaMalloc/cudaFree of the same bytes and one device-
 to-device copy of them (what our update itself costs). No SGLang, no torch_memory_saver: if the driver alone
-takes about what the resume takes, the resume is the driver's and no loader can make it faster.
+takes about what the resume takes, the resume is the driver's and no loader can make it faster. (One
+physical allocation mapped piecewise into the ranges would need a nonzero cuMemMap offset, which the driver
+refuses: CUDA_ERROR_NOT_SUPPORTED, 801, on the H200.)
 
     python3 bench/vmm_bench.py --gib 61 --tensors 435 [--repeats 3]
 
@@ -172,28 +174,6 @@ def time_phases(driver: Driver, sizes: list[int]) -> dict[str, float]:
     return {"create_ms": (t1 - t0) * 1e3, "map_ms": (t2 - t1) * 1e3, "access_ms": (t3 - t2) * 1e3}
 
 
-def time_one_handle(driver: Driver, sizes: list[int]) -> dict[str, float]:
-    """Resume as one physical allocation mapped piecewise into every range (cuMemMap's offset): what a
-    memory saver could do per tag instead of one cuMemCreate per tensor (ms)."""
-    ranges = [(driver.reserve(s), s) for s in sizes]
-    t0 = time.perf_counter()
-    handle = driver.create(sum(sizes))
-    offset = 0
-    for p, s in ranges:
-        driver.map(p, s, handle, offset)
-        driver.allow(p, s)
-        offset += s
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    for p, s in ranges:
-        driver._check(driver.cu.cuMemUnmap(ctypes.c_uint64(p), ctypes.c_size_t(s)), "unmap")
-    driver._check(driver.cu.cuMemRelease(ctypes.c_uint64(handle)), "release")
-    t2 = time.perf_counter()
-    for p, s in ranges:
-        driver.free_address(p, s)
-    return {"resume_ms": (t1 - t0) * 1e3, "release_ms": (t2 - t1) * 1e3}
-
-
 def time_cudamalloc(total: int) -> dict[str, float]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -245,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     tensors = cuts["tensors"]
     phases = [time_phases(driver, tensors) for _ in range(args.repeats)]
     line["tensors_phases_ms"] = {k: round(min(r[k] for r in phases), 2) for k in phases[0]}
-    shared = [time_one_handle(driver, tensors) for _ in range(args.repeats)]
-    line["tensors_one_handle"] = {k: round(min(r[k] for r in shared), 2) for k in shared[0]}
-    print("phases", line["tensors_phases_ms"], "one handle", line["tensors_one_handle"], flush=True)
+    print("phases", line["tensors_phases_ms"], flush=True)
     line["cudamalloc"] = {k: round(v, 2) for k, v in time_cudamalloc(total).items()}
     line["copy_ms"] = round(time_copy(total), 2)
     line["date"] = time.strftime("%Y-%m-%d")
