@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from colocate_operator import kubeauth
@@ -20,7 +21,7 @@ kubeauth.keep_client_library_out()
 
 import kopf  # noqa: E402
 
-from colocate_operator import handlers, metrics  # noqa: E402
+from colocate_operator import handlers, leader, metrics  # noqa: E402
 from colocate_operator.config import ConfigError, OperatorConfig  # noqa: E402
 
 
@@ -46,6 +47,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="kopf peering object name; default: standalone (run exactly one replica)",
     )
     parser.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    parser.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run as one of several replicas: only the holder of a coordination.k8s.io Lease reconciles and "
+        "writes; the others stand by and take over when it stops renewing (the chart's default)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace",
+        default=None,
+        help="namespace of the Lease (default: COLOCATE_OPERATOR_NAMESPACE, the operator's own)",
+    )
+    parser.add_argument(
+        "--leader-elect-lease", default="colocate-operator", help="name of the Lease (default: %(default)s)"
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -80,10 +95,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("colocate_operator").error("invalid configuration: %s", e)
         return 2
     config = dataclasses.replace(config, privileged_namespaces=frozenset(args.allow_privileged_namespace))
+    election = None
+    if args.leader_elect:
+        lease_namespace = args.leader_elect_namespace or config.operator_namespace
+        if not lease_namespace:
+            logging.getLogger("colocate_operator").error(
+                "--leader-elect needs --leader-elect-namespace or COLOCATE_OPERATOR_NAMESPACE"
+            )
+            return 2
+        identity = f"{leader.default_identity()}-{os.getpid()}"
+        election = leader.Settings(lease_namespace, args.leader_elect_lease, identity)
+        if args.peering:
+            logging.getLogger("colocate_operator").error("--leader-elect and --peering exclude each other")
+            return 2
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     registry = kopf.get_default_registry()
-    handlers.register(registry, config, namespaces=args.namespace)
+    handlers.register(registry, config, namespaces=args.namespace, election=election)
     kopf.run(
         registry=registry,
         standalone=args.peering is None,

@@ -14,7 +14,9 @@ no extra patch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -22,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from colocate_operator import gang, stepwatch
+from colocate_operator import gang, leader, stepwatch
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     COMPONENT_METASTORE,
@@ -99,9 +101,17 @@ def register(
     config: OperatorConfig,
     kube: Kube | None = None,
     namespaces: Sequence[str] = (),
+    election: leader.Settings | None = None,
 ) -> None:
     """Register the handlers on `registry`; `kube` defaults to the environment's credentials at startup;
-    `namespaces`: kopf's namespace patterns (none: cluster-wide), which the worker pods' watch follows too."""
+    `namespaces`: kopf's namespace patterns (none: cluster-wide), which the worker pods' watch follows too.
+    `election`: run as one of several replicas (leader.py): everything that writes (the reconcile workers,
+    the resync, the pod watch, the step followers) starts only once this replica leads; a standby only
+    keeps its job index warm from kopf's watch."""
+
+    @kopf.on.startup(id="event-loop", registry=registry)
+    async def remember_loop(memo: kopf.Memo, **_: Any) -> None:
+        memo.loop = asyncio.get_running_loop()  # a new leader starts its step followers on it
 
     @kopf.on.startup(id="configure", registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -111,26 +121,24 @@ def register(
         memo.reconciler = Reconciler(api, gang.discover(api, config))
         memo.marks = EventMarks()
         memo.stop = threading.Event()
-        memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
-        # The worker pods' own watch (podwatch.py, not kopf's: its per-event machinery was most of the cost).
-        memo.pod_watch = PodWatch(
-            api,
-            memo.reconciler.indexes,
-            lambda ns, job: memo.reconciler.enqueue(ns, job, delay=CHILD_EVENT_BATCH_SECONDS),
-            namespaces,
+        memo.leading = threading.Event()
+        memo.workers = []
+        if election is None:
+            _lead(memo, api, config, namespaces)
+            return
+        memo.elector = leader.LeaderElector(
+            api, election, lambda: _lead(memo, api, config, namespaces), _lost_lead
         )
-        memo.pod_watch.start(memo.stop)
-        threading.Thread(
-            target=memo.reconciler.resync_forever,
-            name="resync",
-            daemon=True,
-            args=(config.reconcile_interval_seconds, memo.stop),
-        ).start()
+        memo.elector.start(memo.stop)
 
     @kopf.on.cleanup(id="stop-workers", registry=registry)
     def stop_workers(memo: kopf.Memo, **_: Any) -> None:
         memo.stop.set()
         memo.reconciler.queue.close()
+        if "elector" in memo:  # the passes in flight end first, then the standby may take over at once
+            for worker in memo.workers:
+                worker.join(timeout=5)
+            memo.elector.release()
 
     # The one handler of job events: the reconciler's index and queue, then the job's step follower (kopf's
     # per-handler machinery costs about as much as the handler's own work, so one call, not two).
@@ -145,7 +153,8 @@ def register(
                 memo.reconciler.indexes.saw_job(body)
             if memo.marks.job_changed(event.get("type"), namespace, name, body) or ipc_preflight_failed(body):
                 memo.reconciler.enqueue(namespace, name)
-        stepwatch.job_seen(memo, event.get("type"), body, namespace, name)
+        if "leading" in memo and memo.leading.is_set():
+            stepwatch.job_seen(memo, event.get("type"), body, namespace, name)
 
     @kopf.on.event(
         "apps",
@@ -183,4 +192,48 @@ def register(
     @kopf.on.probe(id="reconciles", registry=registry)
     def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:
         stats = memo.reconciler.stats
-        return {"passes": stats.passes, "errors": stats.errors, "lastPass": stats.last_pass}
+        leading = float(memo.leading.is_set())
+        return {
+            "passes": stats.passes,
+            "errors": stats.errors,
+            "lastPass": stats.last_pass,
+            "leading": leading,
+        }
+
+
+def _lead(memo: kopf.Memo, api: Kube, config: OperatorConfig, namespaces: Sequence[str]) -> None:
+    """Start everything that writes: this replica leads (or runs alone)."""
+    memo.leading.set()
+    memo.workers = memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
+    # The worker pods' own watch (podwatch.py, not kopf's: its per-event machinery was most of the cost).
+    memo.pod_watch = PodWatch(
+        api,
+        memo.reconciler.indexes,
+        lambda ns, job: memo.reconciler.enqueue(ns, job, delay=CHILD_EVENT_BATCH_SECONDS),
+        namespaces,
+    )
+    memo.pod_watch.start(memo.stop)
+    threading.Thread(
+        target=memo.reconciler.resync_forever,
+        name="resync",
+        daemon=True,
+        args=(config.reconcile_interval_seconds, memo.stop),
+    ).start()
+    # Jobs kopf showed while this replica stood by: queued already (job_event), their followers start now.
+    loop = memo.get("loop")
+    if loop is not None and "step_watchers" in memo:
+        loop.call_soon_threadsafe(_follow_all, memo)
+
+
+def _follow_all(memo: kopf.Memo) -> None:
+    for body in memo.reconciler.indexes.job_bodies():
+        meta = body.get("metadata") or {}
+        stepwatch.job_seen(memo, "MODIFIED", body, meta.get("namespace", ""), meta.get("name", ""))
+
+
+def _lost_lead() -> None:
+    """Another replica may lead already: stop every write at once, as client-go's callers do (the pod's
+    restart makes this replica a standby again)."""
+    logging.getLogger("colocate_operator").error("lost the leader lease: exiting")
+    logging.shutdown()
+    os._exit(1)

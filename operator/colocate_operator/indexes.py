@@ -252,6 +252,11 @@ class Indexes:
         with self._lock:
             self._jobs.pop((namespace, name), None)
 
+    def job_bodies(self) -> list[dict[str, Any]]:
+        """Every job the watch has shown (copies), however old: what a new leader starts its followers on."""
+        with self._lock:
+            return [copy.deepcopy(job.body) for job in self._jobs.values() if job.body is not None]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)

@@ -77,6 +77,8 @@ RESOURCE_FLAVORS = Kind("kueue.x-k8s.io/v1beta2", "resourceflavors", namespaced=
 # Native gang scheduling (gang.py; Kubernetes 1.37, GenericWorkload gate): also a kind named Workload.
 GANG_WORKLOADS = Kind("scheduling.k8s.io/v1beta1", "workloads")
 POD_GROUPS = Kind("scheduling.k8s.io/v1beta1", "podgroups")
+# Leader election between operator replicas (leader.py).
+LEASES = Kind("coordination.k8s.io/v1", "leases")
 BY_API_VERSION_KIND = {
     (GANG_WORKLOADS.api_version, "Workload"): GANG_WORKLOADS,
     (POD_GROUPS.api_version, "PodGroup"): POD_GROUPS,
@@ -394,6 +396,10 @@ class Kube:
             content_type=MERGE_PATCH,
             decode=False,
         )[1]
+
+    def replace(self, kind: Kind, namespace: str | None, name: str, body: dict[str, Any]) -> dict:
+        """PUT (verb update): `body` carries the resourceVersion it was read at, else a 409 is possible."""
+        return self._request("PUT", kind.path(namespace, name), body=body)[1]
 
     def kind_of(self, body: dict[str, Any]) -> Kind:
         return BY_API_VERSION_KIND.get((body.get("apiVersion"), body["kind"])) or BY_KIND[body["kind"]]

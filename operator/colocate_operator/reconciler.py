@@ -33,7 +33,14 @@ from colocate_operator import (
     workloads,
 )
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import API_VERSION, COMPONENT_METASTORE, COMPONENT_WORKER, KIND, Phase
+from colocate_operator.constants import (
+    API_VERSION,
+    COMPONENT_METASTORE,
+    COMPONENT_WORKER,
+    KIND,
+    Phase,
+    Reason,
+)
 from colocate_operator.decide import EventSpec, Plan, create_backoff, decide
 from colocate_operator.indexes import Indexes
 from colocate_operator.known import KnownFacts
@@ -439,7 +446,7 @@ class Reconciler:
             creates = tuple(m for m in plan.creates if m["kind"] != "Pod")
             withdraw_pending = True
             patch.pop("phase", None)  # still Suspended(ing): that is what makes the next pass withdraw again
-        failed_creates = self._create_all(job, creates)
+        failed_creates, held = self._create_all(job, creates)
         for pod in plan.deletes:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
             if deleted is not None:
@@ -456,6 +463,8 @@ class Reconciler:
         if patch and not self._write_status(job, body, patch):
             return 0.5
         for event in plan.events:
+            if _announces(event, held):
+                continue  # held back behind a name found taken: the pass that creates it says so
             self._post_event(body, event)
         if plan.delete_job:
             self.api.delete(kube.COLOCATE_JOBS, ns, job.ref.name, uid=job.ref.uid)
@@ -472,12 +481,13 @@ class Reconciler:
             return plan.requeue_after
         return None
 
-    def _create_all(self, job: ColocateJob, manifests: tuple[dict[str, Any], ...]) -> int:
+    def _create_all(self, job: ColocateJob, manifests: tuple[dict[str, Any], ...]) -> tuple[int, set[str]]:
         """Create in three waves, each in parallel: the Secret, the other children, the pods. A job's first
         pass is a dozen requests; in sequence they are most of its latency. A name found taken (409) holds
         back what depends on it: the Secret's holds back Redis (which mounts it) and the pods (which read
         it), any other child's the pods (which would dial whatever holds the meta-store's name); the next
-        pass reads the name and tells our own object from someone else's. Returns the failed creates."""
+        pass reads the name and tells our own object from someone else's. Returns the failed creates and
+        the kinds held back."""
         failed = 0
         held: set[str] = set()
         created: list[str] = []
@@ -500,7 +510,7 @@ class Reconciler:
             self._count_refusals(job.ref.uid, refused)
         if created:  # one line per pass, not one per child (a new job makes seven)
             log.info("created", extra={"job": f"{job.ref.namespace}/{job.ref.name}", "children": created})
-        return failed
+        return failed, held & {m["kind"] for m in manifests}
 
     def _create(self, job: ColocateJob, manifest: dict[str, Any], refused: dict[str, tuple[str, str]]) -> str:
         ns, kind = job.ref.namespace, manifest["kind"]
@@ -582,6 +592,14 @@ class Reconciler:
 
     def _post_event(self, body: dict[str, Any], event: EventSpec) -> None:
         kube_events.post_event(self.api, body, event.type, event.reason, event.message)
+
+
+def _announces(event: EventSpec, held: set[str]) -> bool:
+    """The Event announces creating children of a kind this pass held back (it would be posted again by
+    the pass that creates them: after an operator restart or a leader change, twice)."""
+    return (event.reason == Reason.CREATED_PODS and "Pod" in held) or (
+        event.reason == Reason.CREATED_META_STORE and "Deployment" in held
+    )
 
 
 def _wave(kind: str) -> int:
