@@ -204,14 +204,16 @@ def register(
 def _lead(memo: kopf.Memo, api: Kube, config: OperatorConfig, namespaces: Sequence[str]) -> None:
     """Start everything that writes: this replica leads (or runs alone)."""
     memo.leading.set()
-    memo.workers = memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
     # The worker pods' own watch (podwatch.py, not kopf's: its per-event machinery was most of the cost).
+    # Made before the workers start: until its first listing, passes read the pods from the API server (a
+    # standby watched none, and an empty pod index read as "every pod disappeared" would restart groups).
     memo.pod_watch = PodWatch(
         api,
         memo.reconciler.indexes,
         lambda ns, job: memo.reconciler.enqueue(ns, job, delay=CHILD_EVENT_BATCH_SECONDS),
         namespaces,
     )
+    memo.workers = memo.reconciler.start_workers(config.reconcile_workers, memo.stop)
     memo.pod_watch.start(memo.stop)
     threading.Thread(
         target=memo.reconciler.resync_forever,

@@ -606,3 +606,20 @@ def test_a_resume_whose_withdraw_fails_creates_the_stores_secret_but_no_pod(
         suspended["reason"] == "CheckpointRequestNotWithdrawn"
         and "demo-metastore-auth" in suspended["message"]
     )
+
+
+def test_pods_held_back_behind_a_taken_name_are_announced_once_by_the_pass_that_creates_them(
+    api: FakeKube, reconciler: Reconciler
+) -> None:
+    """A replica (or an operator before its restart) died after creating the Service: the next one's first
+    pass finds the name taken and holds the pods back; only the pass that creates them posts CreatedPods
+    (issue 30, item 10: it came twice after a leader change)."""
+    uid = api.objects[("colocatejobs", "ns", "demo")]["metadata"]["uid"]
+    owner = [{"apiVersion": "colocate.dev/v1alpha1", "kind": "ColocateJob", "name": "demo", "uid": uid}]
+    api.put(kube.SERVICES, {"metadata": {"name": "demo", "namespace": "ns", "ownerReferences": owner}})
+    reconciler._pass("ns", "demo")
+    assert not [c for c in api.calls if c[:2] == ("create", "pods")]
+    assert "CreatedPods" not in api.event_reasons()
+    reconciler._pass("ns", "demo")
+    assert [c[2] for c in api.calls if c[:2] == ("create", "pods")] == ["demo-0", "demo-1"]
+    assert api.event_reasons().count("CreatedPods") == 1
