@@ -146,6 +146,7 @@ def main() -> int:
         publisher.update(0)  # SGLang serves the trainer's initial weights from the first rollout on
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
+            publisher.before_rollout()  # SGLang restarted alone? it gets the trainer's weights again
             seqs = rollout(publisher, args, vocab, step)
             reward = rewards(seqs, vocab)
             publisher.before_training()

@@ -2,6 +2,7 @@
 
     publisher = Publisher(model)            # every rank, after parallel_state and the DDP model exist
     for step in range(1, steps + 1):
+        publisher.before_rollout()          # SGLang restarted alone? it gets the current weights again
         rollouts = generate(...)            # SGLang serves from the weights of the last step
         publisher.before_training()         # pause SGLang and release its GPU memory
         train_step(...)                     # forward, backward, optimizer.step()
@@ -16,7 +17,9 @@ without conversion or packing copies; writes the rank's record so the SGLang loa
 forward pass; binds again when the parameters moved (an offload and reload); and, since one engine serves
 every trainer rank of a pod, lets only the pod's local rank 0 speak HTTP to it. Every phase ends with an
 agreement over a gloo group of its own (agree.py): a failure on any rank fails the step on every rank with
-the same message, naming the rank. A failed `update` leaves SGLang paused; call `update` again.
+the same message, naming the rank. A failed `update` leaves SGLang paused; call `update` again. When SGLang
+restarts alone (its container restarted in place, the trainer running on), it serves the checkpoint's weights:
+`before_rollout` notices (one meta-store read per rank) and pushes the weights the trainer holds again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.inplace import InPlaceLayout
 from colocate_runtime.colocated.outcome import StepReport
+from colocate_runtime.colocated.repush import EngineWatch
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.colocated.writer import PendingStep, WeightWriter
 from colocate_runtime.convert.hf_config import dtype_name
@@ -84,11 +88,14 @@ class Publisher:
         # The longest a rank may wait for its peers: rank 0 waiting for SGLang to start, or a step.
         self.agree = Agreement(max(self.cfg.step_timeout_s, engine_ready_s) + AGREE_MARGIN_S)
         self.local_rank = int(environ.get("LOCAL_RANK", "0"))
+        self.local_world = int(environ.get("LOCAL_WORLD_SIZE", environ.get("COLOCATE_GPUS_PER_NODE", "1")))
+        self.release_weights = release_weights
         self.rollout: ColocatedRollout | None = None  # set on the rank that drives this pod's engine
         self.writer: WeightWriter | None = None
         self.plan = self._plan(hf_config, environ, parallel_state)
         self._released = False
         self.last_report: StepReport | None = None
+        self.last_version: str | None = None
         self.last_pending: PendingStep | None = None  # the last step published (its buckets, for diagnostics)
         self._start(environ, engine_ready_s, engine, release_weights)
 
@@ -131,7 +138,7 @@ class Publisher:
                 client.wait_ready(engine_ready_s)
                 self.rollout = ColocatedRollout(client, release_weights=release_weights)
                 self.rollout.start()
-                self._check_engine_size(environ)
+                self._check_engine_size()
             except Exception as err:
                 error = err
         self.agree.check("starting the SGLang engine's colocated side", error)
@@ -143,6 +150,7 @@ class Publisher:
                 self.plan.layout, self.plan.rank, spec.dtype, spec.architecture, dims=dims_of(spec)
             )
             self.writer.store.write_trainer_record(self.writer.uuid, record.to_json())
+            self.watch = EngineWatch(self.writer)
             self._bind()
         except Exception as err:
             error = err
@@ -154,14 +162,14 @@ class Publisher:
             len(self.plan.shards()),
         )
 
-    def _check_engine_size(self, environ: Mapping[str, str]) -> None:
+    def _check_engine_size(self) -> None:
         """One engine per pod, one TP worker per trainer rank of the pod (they share its GPUs)."""
         assert self.rollout is not None
-        local = int(environ.get("LOCAL_WORLD_SIZE", environ.get("COLOCATE_GPUS_PER_NODE", "1")))
-        if self.rollout.tp_size != local:
+        if self.rollout.tp_size != self.local_world:
             raise ValueError(
-                f"SGLang runs --tp-size {self.rollout.tp_size}, the pod has {local} trainer ranks: the "
-                "colocated update needs one SGLang TP worker per trainer rank of the pod (same GPUs)"
+                f"SGLang runs --tp-size {self.rollout.tp_size}, the pod has {self.local_world} trainer "
+                "ranks: the colocated update needs one SGLang TP worker per trainer rank of the pod (same "
+                "GPUs)"
             )
 
     def _bind(self) -> None:
@@ -203,9 +211,57 @@ class Publisher:
         """Collective: publish this rank's weights for `step`, have SGLang install them and continue
         generation. Raises RankFailed on every rank if any rank (or the engine) failed; SGLang then stays
         paused with its weights resumed, and calling `update` again retries the step."""
-        version = str(step) if weight_version is None else weight_version
+        return self._install(step, str(step) if weight_version is None else weight_version, again=False)
+
+    def before_rollout(self, engine_ready_s: float = 600.0) -> bool:
+        """Collective: call before each rollout. If SGLang restarted alone on any GPU of the job since the
+        last `update` (it then serves the checkpoint's weights), wait until it serves, start its colocated
+        side and install the weights the trainer holds now as the last step once more (no new step); returns
+        True. Otherwise one meta-store read per rank and False."""
+        assert self.writer is not None
+        error: BaseException | None = None
+        restarted = False
+        try:
+            restarted = self.watch.restarted()
+        except Exception as err:
+            error = err
+        flags = self.agree.gather(restarted)
+        self.agree.check("reading which SGLang instance serves each GPU", error)
+        pods = {i // self.local_world for i, flag in enumerate(flags) if flag}
+        if not pods:
+            return False
+        log.warning(
+            "publisher: SGLang restarted in pod(s) %s; pushing step %s again",
+            sorted(pods),
+            self.writer.last_step,
+        )
+        self._restart_engine_side(engine_ready_s, self.agree.rank // self.local_world in pods)
+        step = self.writer.last_step
+        assert step is not None  # a served instance was marked, so a step was installed
+        self._install(step, str(self.last_version), again=True)
+        return True
+
+    def _restart_engine_side(self, engine_ready_s: float, mine: bool) -> None:
+        """The restarted engine's colocated side, as at the start: the pod's driver waits until SGLang serves
+        and starts it; each rank of that pod waits until its GPU's new instance registered."""
+        error: BaseException | None = None
+        if mine:
+            try:
+                if self.rollout is not None:
+                    client = SGLangClient(self.cfg.sglang_url, api_key=self.cfg.sglang_api_key)
+                    client.wait_ready(engine_ready_s)
+                    self.rollout = ColocatedRollout(client, release_weights=self.release_weights)
+                    self.rollout.start()  # registers the new instance where no plugin did
+                if not self.watch.wait_restarted(min(engine_ready_s, 60.0)):
+                    raise RuntimeError("SGLang serves again but its worker on this GPU never registered")
+            except Exception as err:
+                error = err
+        self.agree.check("starting the restarted SGLang engine's colocated side", error)
+        self._released = False
+
+    def _install(self, step: int, version: str, *, again: bool) -> StepReport:
         self.before_training()
-        pending = self.last_pending = self._publish(step, version)
+        pending = self.last_pending = self._publish(step, version, again=again)
         settled: list[bool] = []
         settle_error: RankFailed | None = None
         http_error: BaseException | None = None
@@ -227,10 +283,11 @@ class Publisher:
             raise settle_error
         assert report is not None
         self._released = False
-        self.last_report = report
+        self.last_report, self.last_version = report, version
+        self.watch.mark()  # the instance serving this GPU now holds the trainer's weights
         return report
 
-    def _publish(self, step: int, version: str) -> PendingStep:
+    def _publish(self, step: int, version: str, *, again: bool = False) -> PendingStep:
         assert self.writer is not None
         pending: PendingStep | None = None
         error: BaseException | None = None
@@ -239,8 +296,10 @@ class Publisher:
             if self._moved():
                 log.info("publisher: the parameters moved (offload and reload?); binding them again")
                 self._bind()
+            if again:
+                self.writer.republish()  # the step's keys cleared: the new reader claims it afresh
             pending = self.writer.publish_in_place(
-                step, self.layout, weight_version=version, keep_mapped=self.keep_mapped
+                step, self.layout, weight_version=version, keep_mapped=self.keep_mapped, again=again
             )
         except Exception as err:
             error = err
