@@ -16,7 +16,7 @@ lint: setup
 
 ## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
 test: lint
-	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest $(PYTEST_ARGS)
+	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 ## Fast tests only (no control plane).
 test-unit: setup
