@@ -119,7 +119,7 @@ build_image() {  # build_image <ref> <archive> <Dockerfile> <context> <base ref>
     {
       echo "$base"
       sha256sum "$dockerfile"
-      git ls-files -co --exclude-standard -- "$@" | LC_ALL=C sort | xargs -r -d '\n' sha256sum
+      [ $# -eq 0 ] || git ls-files -co --exclude-standard -- "$@" | LC_ALL=C sort | xargs -r -d '\n' sha256sum
     } | sha256sum | cut -c1-12
   )
   if [ "$(label "$ref")" = "$key" ] && [ -s "$out/$archive" ]; then log "$ref cached"; return; fi
