@@ -1,5 +1,5 @@
 """`python -m bench.scale`: our operator and KubeRay's, each alone, on one local control plane with many
-fake 8-GPU nodes (kwok), at several numbers of jobs. See docs/benchmarks.md ("Operator at scale").
+fake 8-GPU nodes (kwok), at several numbers of jobs. See docs/benchmarks-history.md ("Operator at scale").
 
     .venv/bin/python -m bench.scale --sizes 250,500 --nodes 2000 --repeats 3
 
