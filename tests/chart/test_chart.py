@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VALUE_SETS: dict[str, list[str]] = {
     "defaults": [],
     "namespaced": ["--set", "watchNamespaces={team-a,team-b}"],
+    "cluster-wide": ["--set", "rbac.clusterWide=true"],
     "no-metrics": ["--set", "metrics.enabled=false", "--set", "logFormat=plain", "--set", "verbose=true"],
     "external-sa": [
         "--set",
@@ -76,22 +77,76 @@ def test_operator_deployment_is_hardened(cluster: Cluster) -> None:
     assert "--metrics-port=9090" in container["args"]
 
 
+READ_VERBS = {"get", "list", "watch"}
+
+
+def operator_roles(docs: list[dict]) -> list[dict]:
+    """The Roles holding the operator's rules (not the leader-election Role of its own namespace)."""
+    return [r for r in by_kind(docs, "Role") if ("", "pods") in grants(r)]
+
+
+def namespace_args(docs: list[dict]) -> list[str]:
+    (deployment,) = by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return [a for a in args if a.startswith("--namespace")]
+
+
 @pytest.mark.integration
-def test_rbac_is_cluster_wide_or_limited_to_listed_namespaces(cluster: Cluster) -> None:
-    wide = render(cluster)
-    roles = {r["metadata"]["name"]: r for r in by_kind(wide, "ClusterRole")}
-    assert set(roles) == {"rel-colocate-operator", "rel-colocate-operator-discovery"}
-    assert not by_kind(wide, "Role")
+def test_rbac_is_namespaced_by_default_and_cluster_wide_only_when_asked(cluster: Cluster) -> None:
+    # Default: the release's namespace only; nothing cluster-wide but reads (issue 30, item 9).
+    default = render(cluster)
+    assert {
+        verb for role in by_kind(default, "ClusterRole") for r in role["rules"] for verb in r["verbs"]
+    } <= (READ_VERBS)
+    assert [r["metadata"]["namespace"] for r in operator_roles(default)] == ["colocate-system"]
+    (binding,) = [
+        b for b in by_kind(default, "RoleBinding") if b["roleRef"]["name"] == "rel-colocate-operator"
+    ]
+    assert binding["metadata"]["namespace"] == "colocate-system"
+    assert namespace_args(default) == ["--namespace=colocate-system"]
+    # Listed namespaces: a Role in each, the operator watching exactly those.
     narrow = render(cluster, *VALUE_SETS["namespaced"])
     (discovery,) = by_kind(narrow, "ClusterRole")
-    # Cluster-wide, the operator may only read CRDs and namespaces.
-    assert {verb for rule in discovery["rules"] for verb in rule["verbs"]} == {"get", "list", "watch"}
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(narrow, "Role")) == ["team-a", "team-b"]
-    (deployment,) = by_kind(narrow, "Deployment")
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--namespace=team-a" in args and "--namespace=team-b" in args
-    # No write verb on secrets anywhere cluster-wide when limited to namespaces.
+    assert {verb for rule in discovery["rules"] for verb in rule["verbs"]} == READ_VERBS
+    assert sorted(r["metadata"]["namespace"] for r in operator_roles(narrow)) == ["team-a", "team-b"]
+    assert namespace_args(narrow) == ["--namespace=team-a", "--namespace=team-b"]
     assert not any("secrets" in rule.get("resources", []) for rule in discovery["rules"])
+    # rbac.clusterWide: the operator's rules in a ClusterRole, every namespace watched.
+    wide = render(cluster, *VALUE_SETS["cluster-wide"])
+    roles = {r["metadata"]["name"]: r for r in by_kind(wide, "ClusterRole")}
+    assert set(roles) == {"rel-colocate-operator", "rel-colocate-operator-discovery"}
+    assert grants(roles["rel-colocate-operator"]) == OPERATOR_RULES
+    assert not operator_roles(wide) and namespace_args(wide) == []
+    # Both at once is a contradiction, refused naming the values.
+    both_values = ["--set", "rbac.clusterWide=true", "--set", "watchNamespaces={a}"]
+    both = helm(cluster, "template", "rel", str(CHART), *both_values, check=False)
+    assert both.returncode != 0 and "rbac.clusterWide" in both.stderr and "watchNamespaces" in both.stderr
+
+
+@pytest.mark.integration
+def test_metrics_are_open_only_to_the_listed_peers(cluster: Cluster) -> None:
+    (policy,) = by_kind(render(cluster), "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "colocate-operator",
+        "app.kubernetes.io/instance": "rel",
+    }
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    health, metrics = policy["spec"]["ingress"]
+    assert health == {"ports": [{"protocol": "TCP", "port": 8080}]}  # probes and `helm test`
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}]
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    peers = (
+        '[{"namespaceSelector":{"matchLabels":{"team":"obs"}},"podSelector":{"matchLabels":{"app":"prom"}}}]'
+    )
+    (custom,) = by_kind(render(cluster, "--set-json", f"metrics.allowFrom={peers}"), "NetworkPolicy")
+    assert custom["spec"]["ingress"][1]["from"] == json.loads(peers)
+    # No metrics port: health alone; no peers: nobody reaches the metrics port.
+    for values in (["--set", "metrics.enabled=false"], ["--set-json", "metrics.allowFrom=[]"]):
+        (policy,) = by_kind(render(cluster, *values), "NetworkPolicy")
+        assert policy["spec"]["ingress"] == [health]
+    assert not by_kind(render(cluster, "--set", "networkPolicy.enabled=false"), "NetworkPolicy")
 
 
 # Every verb the operator uses and nothing more (H2, M1); the integration suite runs the operator under these.
@@ -126,7 +181,9 @@ def grants(role: dict) -> dict[tuple[str, str], set[str]]:
 
 @pytest.mark.integration
 def test_rbac_grants_only_the_verbs_the_operator_uses(cluster: Cluster) -> None:
-    wide = {r["metadata"]["name"]: r for r in by_kind(render(cluster), "ClusterRole")}
+    wide = {
+        r["metadata"]["name"]: r for r in by_kind(render(cluster, *VALUE_SETS["cluster-wide"]), "ClusterRole")
+    }
     assert grants(wide["rel-colocate-operator"]) == OPERATOR_RULES
     discovery = {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
@@ -139,7 +196,7 @@ def test_rbac_grants_only_the_verbs_the_operator_uses(cluster: Cluster) -> None:
     narrow = render(cluster, *VALUE_SETS["namespaced"])
     (cluster_role,) = by_kind(narrow, "ClusterRole")
     assert grants(cluster_role) == {**discovery, ("", "namespaces"): {"list", "watch"}}
-    for role in by_kind(narrow, "Role"):
+    for role in operator_roles(narrow):
         assert grants(role) == OPERATOR_RULES
     assert not any("*" in verbs for verbs in grants(wide["rel-colocate-operator"]).values())
 

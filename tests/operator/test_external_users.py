@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import secrets
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,3 +144,8 @@ def test_allow_list_names_that_are_not_fully_qualified_are_refused_naming_them(e
 def test_fully_qualified_names_and_ips_are_accepted(entry: str) -> None:
     allow = OperatorConfig.from_env({"COLOCATE_EXTERNAL_METASTORE_ALLOW": entry}).external_metastore_allow
     assert len(allow.rules) == 1
+
+
+def test_the_readme_gives_the_administrator_the_rules_the_operator_renders() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "operator" / "README.md").read_text()
+    assert metastore.worker_acl("<namespace>", "<job>") in readme

@@ -26,6 +26,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* The namespaces the operator manages, as a JSON list: watchNamespaces, else the release's namespace; empty
+(every namespace) only with rbac.clusterWide, which may not be combined with a list. */}}
+{{- define "colocate-operator.watchNamespaces" -}}
+{{- if .Values.rbac.clusterWide -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "rbac.clusterWide manages every namespace: leave watchNamespaces empty, or set rbac.clusterWide=false to manage only the listed ones" -}}
+{{- end -}}
+{{- list | toJson -}}
+{{- else -}}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Every verb the operator uses in a namespace it manages, and nothing else (the integration suite runs the
 operator under exactly these rules, so a missing verb fails a test):
 - colocatejobs: get (each pass), list/watch (kopf), delete (ttlSecondsAfterFinished); status: patch;
