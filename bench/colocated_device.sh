@@ -15,6 +15,9 @@
 #               device run, carry [".device/sglang-gpu"], command "bash bench/colocated_device.sh sglang-gpu check"
 #               (real SGLang 0.5.17 with our loader over CUDA IPC: bench/sglang_gpu.py, whose arguments follow,
 #                e.g. "sglang-gpu bench --preset qwen3-8b"; here, first: bash scripts/sglang-gpu-carry.sh)
+#               device run, carry [".device/sglang-classes"], command "bash bench/colocated_device.sh sglang-classes"
+#               (SGLang 0.5.10's and 0.5.23's model classes on CUDA: bench/sglang_gpu_classes.py; here, first:
+#                bash scripts/sglang-classes-carry.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -89,6 +92,37 @@ setup_sglang_gpu() {
     python3 -c 'import sglang, sgl_kernel, torch_memory_saver, transformers; print("sglang", sglang.__version__, "transformers", transformers.__version__)'
 }
 
+sglang_classes() {
+    # SGLang 0.5.10's and 0.5.23's own model classes on CUDA (bench/sglang_gpu_classes.py, arguments follow):
+    # what scripts/sglang-classes-carry.sh packed; the kernel and flashinfer stubbed
+    # (tests/sglang_gpu/classes_stubs/sitecustomize.py says why). Lines and the log go to $OUT.
+    local carry=$REPO/.device/sglang-classes v path status=0 out=${OUT:-/tmp}
+    [ -d "$carry" ] || { echo "no $carry: run 'bash scripts/sglang-classes-carry.sh' here and carry .device/sglang-classes"; exit 2; }
+    [ -d "$CARRY" ] || tar -C "$REPO/.device" -xJf "$carry/colocated.tar.xz"
+    if [ ! -f /tmp/classes/.done ]; then  # once per machine (a warm machine keeps /tmp)
+        mkdir -p /tmp/classes/site /tmp/classes/tf /tmp/classes/0.5.10 /tmp/classes/0.5.23
+        tar -C /tmp/classes/site -xJf "$carry/site.tar.xz"
+        tar -C /tmp/classes/tf -xJf "$carry/transformers-5.12.1.tar.xz"
+        for v in 0.5.10 0.5.23; do tar -C "/tmp/classes/$v" -xJf "$carry/sglang-$v.tar.xz"; done
+        touch /tmp/classes/.done
+    fi
+    setup_device
+    export PYTHONPATH=$REPO/tests/sglang_gpu/classes_stubs:/tmp/classes/site:$PYTHONPATH
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export SGLANG_IS_FLASHINFER_AVAILABLE=false
+    for v in 0.5.10 0.5.23; do
+        path=/tmp/classes/$v:$PYTHONPATH
+        # The device's transformers first; 5.12.1 (carried) where SGLang's configs do not import with it.
+        if ! PYTHONPATH=$path python3 -c 'import sglang.srt.configs' >/dev/null 2>"$out/import-$v.err"; then
+            tail -3 "$out/import-$v.err"; echo "sglang $v: with transformers 5.12.1"
+            path=/tmp/classes/$v:/tmp/classes/tf:$PYTHONPATH
+        fi
+        PYTHONPATH=$path python3 bench/sglang_gpu_classes.py --out "$out/sglang_gpu_classes.jsonl" "$@" 2>&1 \
+            | tee -a "$out/sglang-classes.log" || status=1
+    done
+    return $status
+}
+
 run_bench() {
     python3 bench/colocated_bench.py "$@"
 }
@@ -105,5 +139,6 @@ case "${1:-}" in
     hops) shift; setup_device; python3 -m bench.hop_bench "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
     sglang-gpu) shift; setup_sglang_gpu; python3 bench/sglang_gpu.py "$@" ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]|sglang-gpu [args]"; exit 2 ;;
+    sglang-classes) shift; sglang_classes "$@" ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]|sglang-gpu [args]|sglang-classes [args]"; exit 2 ;;
 esac

@@ -217,9 +217,7 @@ def engine(args: argparse.Namespace) -> int:
         report["fused"] = sorted(
             {n.split(".")[-2] + "." + n.split(".")[-1] for n in params if "layers.0." in n}
         )
-        log(
-            f"{args.arch}: {report['class']} built by SGLang {sg.version}: {len(params)} parameters, {nbytes} B"
-        )
+        log(f"{args.arch}: {report['class']} built by SGLang {sg.version}: {len(params)} params, {nbytes} B")
         (work / "params.json").write_text(json.dumps(params))
         if cuda:
             report["built_in_region_bytes"] = free0 - torch.cuda.mem_get_info()[0]
@@ -433,6 +431,8 @@ def drive(args: argparse.Namespace) -> int:
                     "stubs": stubs(),
                     "init": report.get("init"),
                     "transport": env["COLOCATE_TRANSPORT"],
+                    "torch": torch.__version__,
+                    "transformers": version("transformers"),
                     "seconds": round(time.perf_counter() - t0, 1),
                     "commit": commit(),
                     "date": time.strftime("%Y-%m-%d"),
