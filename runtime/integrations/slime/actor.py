@@ -8,6 +8,9 @@ this subclass and one changed line in slime's `train.py` (docs/slime.md):
     actor_model, critic_model = create_training_models(args, pgs, rollout_manager,
                                                        actor_cls=ColocateMegatronTrainRayActor)
 
+(and, for the operator's final record, one added line at its end:
+`ray.get([a.colocate_finish.remote() for a in actor_model._actor_handlers])`).
+
 `init` refuses an unsupported setup before slime builds the model (`check_slime_args`), lets slime build
 everything, and then replaces slime's colocated updater with `UpdateWeightFromColocate`, keeping its weight
 version. Importing this module imports slime's actor (ray, megatron-core, SGLang, ...): only the trainer's
@@ -46,3 +49,10 @@ class ColocateMegatronTrainRayActor(MegatronTrainRayActor):
         if ours:
             self.weight_updater = colocated_updater(self)
         return start
+
+    def colocate_finish(self, ok: bool = True, error: str = "") -> None:
+        """The job's final record (every trainer rank, at the end of training): the operator marks the
+        ColocateJob Succeeded or Failed by it. slime's train.py does not call it by itself (docs/slime.md)."""
+        finish = getattr(self.weight_updater, "finish", None)
+        if finish is not None:
+            finish(ok=ok, error=error)
