@@ -293,3 +293,13 @@ def test_install_upgrade_uninstall(cluster: Cluster, namespace: str) -> None:
     )
     # CRDs outlive the release (Helm never deletes crds/): jobs are not lost with the operator.
     assert cluster.kubectl("get", "crd", "colocatejobs.colocate.dev", check=False).returncode == 0
+
+
+@pytest.mark.integration
+def test_the_helm_test_pod_does_not_pass_for_the_operator(cluster: Cluster) -> None:
+    docs = render(cluster)
+    (pod,) = by_kind(docs, "Pod")
+    (deployment,) = by_kind(docs, "Deployment")
+    operator = deployment["spec"]["selector"]["matchLabels"]
+    # Neither the Service nor a meta-store's NetworkPolicy (they select the operator by these) takes it.
+    assert not operator.items() <= pod["metadata"]["labels"].items()
