@@ -197,7 +197,7 @@ class LeaderElector:
         before = self.clock()
         try:
             lease = self.api.get(kube.LEASES, s.namespace, s.name)
-        except (kube.KubeError, OSError) as e:
+        except Exception as e:  # a refused connection is urllib3's own error, not an OSError
             log.warning("reading the lease failed: %s", e)
             return False, s.retry_period
         self._seen = observe(lease, self._seen, before)
@@ -211,7 +211,7 @@ class LeaderElector:
                 self.api.replace(
                     kube.LEASES, s.namespace, s.name, lease_body(s, self.identity, lease, take=action == TAKE)
                 )
-        except (kube.KubeError, OSError) as e:
+        except Exception as e:  # a refused connection is urllib3's own error, not an OSError
             # 409: another candidate wrote first (or our read was old): look again next round.
             log.info("lease %s failed: %s", action, e)
             return False, s.retry_period
@@ -227,7 +227,7 @@ class LeaderElector:
         with self._lock:
             try:
                 self._release(s)
-            except (kube.KubeError, OSError) as e:
+            except Exception as e:  # a refused connection is urllib3's own error, not an OSError
                 log.warning("releasing the lease failed: %s", e)
 
     def _release(self, s: Settings) -> None:

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+import urllib3
 
 from colocate_operator import kube, leader
 from colocate_operator.leader import CREATE, RENEW, TAKE, WAIT, decide_lease, observe
@@ -62,9 +63,11 @@ class FakeLeases:
     def __init__(self) -> None:
         self.lease: dict[str, Any] | None = None
         self.version = 0
-        self.fail = False
+        self.fail: bool | str = False
 
     def get(self, kind: kube.Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.fail == "refused":  # the API server restarting: urllib3's own error, not an OSError
+            raise urllib3.exceptions.MaxRetryError(None, "/", "Connection refused")  # type: ignore[arg-type]
         if self.fail:
             raise kube.KubeError(503, "ServiceUnavailable", "down")
         return None if self.lease is None else {**self.lease, "metadata": {**self.lease["metadata"]}}
@@ -148,3 +151,17 @@ def test_a_leader_that_cannot_renew_stops_at_its_renew_deadline() -> None:
     assert events == ["leads", "stopped"] and not a.leading.is_set()
     stop.set()
     thread.join(2)
+
+
+def test_a_standby_keeps_campaigning_through_an_api_server_restart() -> None:
+    """Found by the soak: a refused connection killed the standby's election thread, so no one took over."""
+    api, clock, events = FakeLeases(), [0.0], []
+    a, b = elector(api, "a", clock, events), elector(api, "b", clock, events)
+    assert a.try_acquire_or_renew()[0]
+    api.fail = "refused"
+    assert b.try_acquire_or_renew() == (False, 2.0)
+    assert a.try_acquire_or_renew() == (False, 2.0)
+    api.fail = False
+    assert not b.try_acquire_or_renew()[0]
+    clock[0] = 20.0
+    assert b.try_acquire_or_renew() == (True, 0)
