@@ -303,3 +303,19 @@ def test_the_helm_test_pod_does_not_pass_for_the_operator(cluster: Cluster) -> N
     operator = deployment["spec"]["selector"]["matchLabels"]
     # Neither the Service nor a meta-store's NetworkPolicy (they select the operator by these) takes it.
     assert not operator.items() <= pod["metadata"]["labels"].items()
+
+
+@pytest.mark.integration
+def test_allow_list_names_must_be_fully_qualified(cluster: Cluster) -> None:
+    # What the operator would refuse to start on (addresses.py) is refused at install, naming the entry.
+    for short in ("redis:6379", "redis.shared.svc:6379", "*.svc"):
+        value = f'externalMetaStore.allowedAddresses=["{short}"]'
+        result = helm(cluster, "template", "rel", str(CHART), "--set-json", value, check=False)
+        assert result.returncode != 0 and short in result.stderr, result.stderr
+        assert "not a fully qualified name" in result.stderr
+    fine = (
+        '["redis.shared.svc.cluster.local:6379","redis.internal.","*.example.com","10.0.0.0/8","127.0.0.1"]'
+    )
+    assert helm(
+        cluster, "template", "rel", str(CHART), "--set-json", f"externalMetaStore.allowedAddresses={fine}"
+    )

@@ -39,6 +39,24 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* externalMetaStore.allowedAddresses: names fully qualified or IPs, as the operator requires
+(colocate_operator/addresses.py; it would refuse to start): a short name is completed by each pod's DNS search
+path. A name is fully qualified when it ends with a dot, or has three labels or more and does not end in .svc
+(under `*.`, the domain needs two). */}}
+{{- define "colocate-operator.checkAllowList" -}}
+{{- range .Values.externalMetaStore.allowedAddresses }}
+{{- $host := regexReplaceAll ":[0-9]+$" (lower .) "" }}
+{{- $wild := hasPrefix "*." $host }}
+{{- $name := trimPrefix "*." $host }}
+{{- if not (or (eq . "*") (contains "/" .) (regexMatch "^[0-9.]+$" $name) (hasSuffix "." $name)) }}
+{{- $labels := splitList "." $name }}
+{{- if or (lt (len $labels) (ternary 2 3 $wild)) (eq (last $labels) "svc") }}
+{{- fail (printf "externalMetaStore.allowedAddresses: %q is not a fully qualified name or an IP address; a short name is completed by each pod's DNS search path, so it would name a different host in every namespace (write e.g. redis.shared.svc.cluster.local, or end the name with a dot)" .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* Every verb the operator uses in a namespace it manages, and nothing else (the integration suite runs the
 operator under exactly these rules, so a missing verb fails a test):
 - colocatejobs: get (each pass), list/watch (kopf), delete (ttlSecondsAfterFinished); status: patch;
