@@ -7,9 +7,10 @@
 #   device run, carry [".device/sglang-classes"], command "bash bench/colocated_device.sh sglang-classes"
 #
 # What it holds (about 25 MB; one device call carries at most 64 MiB):
-# - sglang 0.5.10 and 0.5.23: the Python files of the wheels (as the CPU tier's envs of scripts/sglang-env.sh
-#   unpacked them), no sglang/multimodal_gen, no data files (the fused-MoE Triton configs serve forward passes,
-#   which do not run), no rust_extensions binaries; tar.xz each;
+# - sglang 0.5.10 and 0.5.23: the wheels' files (as the CPU tier's envs of scripts/sglang-env.sh unpacked them)
+#   but sglang/multimodal_gen, sglang/test and the compiled extensions (rust_extensions, the radix tree core:
+#   cp311 builds there, and not imported to build a model); the JIT kernel sources stay (0.5.23 looks for
+#   sglang/kernels/jit at import); tar.xz each;
 # - light cp312 wheels, unpacked and packed as one tar.xz: the union of what the CPU tier installs for both
 #   versions and what the 0.5.17 GPU tier carries, torch_memory_saver 0.0.10 (ctypes; CUDA 12 and 13 hook
 #   libraries) included; not transformers or tokenizers (the device's transformers 5.17 is tried first);
@@ -63,21 +64,29 @@ unpack_and_pack() {  # PYTHON WHEEL_DIR TARBALL
 }
 
 build() {
-  local python=${PYTHON:-$root/.venv/bin/python} tmp v site
+  local python=${PYTHON:-$root/.venv/bin/python} tmp=$dir.staging v site
   [ -x "$python" ] || python=python3
-  tmp=$(mktemp -d "$dir.tmp.XXXXXX")
-  say "downloading ${#wheels[@]}+${#fallback[@]} cp312 wheels into $tmp"
+  mkdir -p "$tmp"  # each piece is kept once made: an interrupted build goes on where it stopped
   local pip=("$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all:
     --python-version 3.12 --implementation cp "${platforms[@]}" --platform any)
-  "${pip[@]}" -d "$tmp/wheels" "${wheels[@]}" >&2
-  "${pip[@]}" -d "$tmp/fallback" "${fallback[@]}" >&2
-  unpack_and_pack "$python" "$tmp/wheels" "$tmp/site.tar.xz"
-  unpack_and_pack "$python" "$tmp/fallback" "$tmp/transformers-5.12.1.tar.xz"
+  if [ ! -f "$tmp/site.tar.xz" ]; then
+    say "downloading ${#wheels[@]} cp312 wheels into $tmp"
+    "${pip[@]}" -d "$tmp/wheels" "${wheels[@]}" >&2
+    unpack_and_pack "$python" "$tmp/wheels" "$tmp/site.tar.xz.part" && mv "$tmp/site.tar.xz.part" "$tmp/site.tar.xz"
+  fi
+  if [ ! -f "$tmp/transformers-5.12.1.tar.xz" ]; then
+    "${pip[@]}" -d "$tmp/fallback" "${fallback[@]}" >&2
+    unpack_and_pack "$python" "$tmp/fallback" "$tmp/tf.part" && mv "$tmp/tf.part" "$tmp/transformers-5.12.1.tar.xz"
+  fi
   for v in "${VERSIONS[@]}"; do
-    # The CPU tier's env holds the wheel's files as pip unpacked them (pure Python: the same for cp312).
+    [ -f "$tmp/sglang-$v.tar.xz" ] && continue
+    # The CPU tier's env holds the wheel's files as pip unpacked them (its Python files: the same for cp312).
     site=$(bash "$root/scripts/sglang-env.sh" "$v" | cut -d: -f1)
-    (cd "$site" && find sglang -name '*.py' -not -path 'sglang/multimodal_gen/*' -not -path '*/__pycache__/*' \
-      | tar -cJf "$tmp/sglang-$v.tar.xz" -T - "sglang-$v.dist-info")
+    say "packing sglang $v from $site"
+    (cd "$site" && find sglang -type f -not -name '*.so' -not -path 'sglang/multimodal_gen/*' \
+      -not -path 'sglang/test/*' -not -path '*/__pycache__/*' \
+      | XZ_OPT=-T0 tar -cJf "$tmp/sglang-$v.part" -T - "sglang-$v.dist-info")
+    mv "$tmp/sglang-$v.part" "$tmp/sglang-$v.tar.xz"
   done
   rm -rf "$tmp/wheels" "$tmp/fallback"
   touch "$tmp/.done"
