@@ -12,9 +12,9 @@ SGLang installed equals the trainer's canonical tensor bit for bit, every elemen
 weight version (`/model_info`; slime's `get_weight_version` asks an endpoint SGLang 0.5.10 answers 404)
 is slime's `weight_version`.
 
-About 1.5-3 min on the 2-core machine (SGLang's start, Ray's start and three Python processes importing slime,
-megatron-core and SGLang): opt in with COLOCATE_SLIME_REAL=1 (`make test` otherwise runs only the fast tests
-of test_updater.py and the manifest's).
+Measured 460 s on the shared 2-core machine at load average 15 (SGLang ready after 222 s; Ray's start and
+three Python processes importing slime, megatron-core and SGLang take most of the rest): opt in with
+COLOCATE_SLIME_REAL=1 (`make test` otherwise runs only the fast tests of test_updater.py and the manifest's).
 """
 
 from __future__ import annotations
