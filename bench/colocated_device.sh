@@ -110,7 +110,7 @@ sglang_classes() {
     export PYTHONPATH=$REPO/tests/sglang_gpu/classes_stubs:/tmp/classes/site:$PYTHONPATH
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     export SGLANG_IS_FLASHINFER_AVAILABLE=false
-    for v in 0.5.10 0.5.23; do
+    for v in ${SGLANG_CLASSES_VERSIONS:-0.5.10 0.5.23}; do
         path=/tmp/classes/$v:$PYTHONPATH
         # The device's transformers first; 5.12.1 (carried) where SGLang's configs do not import with it.
         if ! PYTHONPATH=$path python3 -c 'import sglang.srt.configs' >/dev/null 2>"$out/import-$v.err"; then

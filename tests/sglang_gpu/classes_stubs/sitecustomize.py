@@ -25,6 +25,17 @@ WHY = {
 # And with the kernel stubbed, no `sgl_kernel::*` torch op exists: 0.5.10 registers fake (meta) kernels for
 # some at import (`torch.library.register_fake("sgl_kernel::moe_fused_gate")`, moe/topk.py), which torch
 # refuses for an op that does not exist; those registrations are skipped (`_skip_missing_fakes`).
+# One module stood in for by a faithful small one (`_dual_gemm_standin`): 0.5.23's dense MLP (qwen2.py
+# Qwen2MLP, which Qwen3 uses) builds a `DualGemm`, whose constructor imports
+# sglang.kernels.ops.gemm.cutedsl_dual_gemm to ask `can_use_dual_gemm`; that module imports nvidia-cutlass-dsl
+# and cuda-python at import (not on the device), and the kernel is Blackwell-only: on the H200 the real
+# `can_use_dual_gemm` answers False (`is_sm100_supported()`), so the layer keeps its plain path either way.
+STANDIN = {"sglang.kernels.ops.gemm.cutedsl_dual_gemm"}
+WHY["sglang.kernels.ops.gemm.cutedsl_dual_gemm"] = (
+    "SGLang 0.5.23's Blackwell-only CuTe DSL dual GEMM: imports nvidia-cutlass-dsl and cuda-python (not on "
+    "the device); stand-in with the same constants and enum whose can_use_dual_gemm answers as the real one "
+    "does on Hopper (False: not sm100), and raises on an sm100 GPU"
+)
 WHY["torch.library.register_fake(sgl_kernel::*)"] = (
     "skipped for ops that do not exist (the kernel is stubbed); only torch.compile tracing uses them"
 )
@@ -74,9 +85,39 @@ def _skip_missing_fakes():
     torch.library.register_fake = register_fake
 
 
+def _dual_gemm_standin(module):
+    import enum
+
+    class DualGemmQuantMode(enum.IntEnum):  # as in the real module
+        STATIC_PER_TENSOR = 0
+        STATIC_PER_TOKEN = 1
+        DYNAMIC_PER_TENSOR = 2
+        DYNAMIC_PER_TOKEN = 3
+        UNQUANT = 4
+
+        @property
+        def is_quantized(self):
+            return self != DualGemmQuantMode.UNQUANT
+
+        @property
+        def is_dynamic(self):
+            return self in (DualGemmQuantMode.DYNAMIC_PER_TENSOR, DualGemmQuantMode.DYNAMIC_PER_TOKEN)
+
+    def can_use_dual_gemm(num_tokens, hidden_size, intermediate_size, quant_mode):
+        from sglang.srt.utils.common import is_sm100_supported
+
+        if is_sm100_supported():
+            raise RuntimeError("stub: the dual GEMM stand-in cannot answer for an sm100 GPU")
+        return False  # the real predicate's answer off sm100
+
+    module.MAX_DUAL_GEMM_DECODE_TOKENS = 16
+    module.DualGemmQuantMode = DualGemmQuantMode
+    module.can_use_dual_gemm = can_use_dual_gemm
+
+
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in STUBBED:
+        if fullname.split(".")[0] in STUBBED or fullname in STANDIN:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -89,6 +130,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         if module.__name__ == "sgl_kernel":
             _skip_missing_fakes()
+        if module.__name__ in STANDIN:
+            _dual_gemm_standin(module)
 
 
 sys.meta_path.insert(0, _Finder())
