@@ -17,6 +17,8 @@ import torch
 
 from colocate_runtime.colocated import fastcopy
 from colocate_runtime.colocated.buckets import PlacedEntry
+from colocate_runtime.colocated.fp8_block import BlockFp8
+from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.gather import GatherProgram, compile_gather
 from colocate_runtime.colocated.manifest import Manifest
 from colocate_runtime.colocated.outcome import StepFailed
@@ -44,6 +46,7 @@ class CopyProgram:
     covered: dict[str, int] = field(default_factory=dict)  # elements of each parameter the buckets fill
     copied_bytes: int = 0
     gather: GatherProgram | None = None  # an in-place step: every local copy (gather.py)
+    fp8: GatherProgram | None = None  # a packed step's block-FP8 targets, quantized while copied (gather.py)
 
     @torch.no_grad()
     def copy_bucket(self, index: int, bucket: Bucket) -> None:
@@ -52,6 +55,8 @@ class CopyProgram:
         if self.gather is not None:
             self.gather.launch(index, bucket(index))
             return
+        if self.fp8 is not None:
+            self.fp8.launch(index, bucket(index))
         bp = self.buckets.get(index)
         if bp is None:
             return
@@ -75,6 +80,8 @@ class CopyProgram:
         plan = _CopyPlan(covered=dict(self.covered), copied_bytes=self.copied_bytes)
         if self.gather is not None:
             self.gather.copy_slow(bucket)
+        if self.fp8 is not None:
+            self.fp8.copy_slow(bucket)
         for e in self.sharded:
             _plan_entry(e, entry_view(bucket(e.bucket), e), targets[e.name], target_shards.get(e.name), plan)
         for dst, src in zip(plan.direct_dst, plan.direct_src, strict=True):
@@ -130,17 +137,25 @@ def compile_program(
     targets: Mapping[str, torch.Tensor],
     target_shards: Mapping[str, TensorShard],
     device: torch.device | None,
+    scales: Mapping[str, torch.Tensor] | None = None,
+    fmt: BlockFp8 = FP32_SCALES,
 ) -> CopyProgram:
     """Check a layout against the parameters and compile its copies. `device`: where the batched copy kernel
-    runs (None: every copy goes through torch). Raises StepFailed naming the first entry that cannot land."""
+    runs (None: every copy goes through torch). `scales`: the `weight_scale_inv` view of every target SGLang
+    holds in block FP8 (e4m3): its BF16 entries are quantized while copied (gather.py), with scales in `fmt`.
+    Raises StepFailed naming the first entry that cannot land."""
     program = CopyProgram()
     direct: dict[int, list[PlacedEntry]] = {}
     in_place = any(e.view is not None for e in manifest.entries)
     gathered: list[PlacedEntry] = []
+    quantized: list[PlacedEntry] = []
     for e in manifest.entries:
         target = targets.get(e.name)
         if target is None:
             program.extra[e.name] = e
+            continue
+        if target.dtype == torch.float8_e4m3fn and scales is not None and e.name in scales:
+            (gathered if in_place else quantized).append(e)
             continue
         if dtype_name(target.dtype) != e.dtype:
             raise StepFailed(
@@ -163,14 +178,22 @@ def compile_program(
         direct.setdefault(e.bucket, []).append(e)
         program.covered[e.name] = program.covered.get(e.name, 0) + target.numel()
         program.copied_bytes += e.nbytes
-    if in_place:
+    if in_place or quantized:
         try:
-            program.gather = compile_gather(tuple(gathered), targets, target_shards, device)
+            gather = compile_gather(
+                tuple(gathered if in_place else quantized), targets, target_shards, device, scales, fmt
+            )
         except ValueError as err:
             raise StepFailed(str(err), step=manifest.step) from None
-        program.covered = dict(program.gather.covered)
-        program.copied_bytes = program.gather.copied_bytes
-        return program
+        if in_place:
+            program.gather = gather
+            program.covered = dict(gather.covered)
+            program.copied_bytes = gather.copied_bytes
+            return program
+        program.fp8 = gather
+        for name, n in gather.covered.items():
+            program.covered[name] = program.covered.get(name, 0) + n
+        program.copied_bytes += gather.copied_bytes
     for b in manifest.buckets:
         entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
         if not entries:
