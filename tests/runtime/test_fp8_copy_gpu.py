@@ -130,3 +130,84 @@ def test_throughput_against_bf16_copy() -> None:
     for w, s, src in outs:
         rq, rs = fp8_block.quantize(src)
         assert_bits(w, s, rq, rs)
+
+
+def test_copy_program_fp8_against_bf16_same_layout() -> None:
+    """The reader's copy program (reader_program.compile_program) over Qwen3-30B-A3B expert layers as packed
+    BF16 canonical pieces (gate, up, down of 128 experts per layer), once into BF16 `w13_weight`/`w2_weight`
+    (today's path: fastcopy's tile kernel) and once into e4m3 ones with their scales (quantize on copy).
+    FP8 result = reference quantizer of the BF16 result, bit for bit; both times printed."""
+    from colocate_runtime.colocated.buckets import PlacedEntry
+    from colocate_runtime.colocated.manifest import BucketRecord, Manifest, Producer
+    from colocate_runtime.colocated.reader_program import compile_program
+
+    layers, experts, hidden, inter = 4, 128, 2048, 768
+    pieces = [
+        (f"l{li}.e{e}.{p}", (inter, hidden) if p != "down" else (hidden, inter))
+        for li in range(layers)
+        for e in range(experts)
+        for p in ("gate", "up", "down")
+    ]
+    total = sum(r * c for _, (r, c) in pieces)
+    flat = weights((total // hidden, hidden), seed=9).view(-1)
+    entries, at = [], 0
+    for name, (r, c) in pieces:
+        entries.append(PlacedEntry(name, "bfloat16", (r, c), 0, 2 * at, 2 * r * c))
+        at += r * c
+    bucket = BucketRecord(0, "bfloat16", 2 * total, {"kind": "CudaIPC"})
+    manifest = Manifest(
+        "j", "ns", 1, 1, "GPU-x", "1", "CudaIPC", Producer(0, 0, 1, "h"), (bucket,), tuple(entries)
+    )
+    raw = flat.view(torch.uint8)
+    dev = torch.device("cuda")
+
+    def params(dtype):  # type: ignore[no-untyped-def]
+        w13 = [torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=dev) for _ in range(layers)]
+        w2 = [torch.empty(experts, hidden, inter, dtype=dtype, device=dev) for _ in range(layers)]
+        targets = {}
+        for li in range(layers):
+            for e in range(experts):
+                targets[f"l{li}.e{e}.gate"] = w13[li][e, :inter]
+                targets[f"l{li}.e{e}.up"] = w13[li][e, inter:]
+                targets[f"l{li}.e{e}.down"] = w2[li][e]
+        return w13, w2, targets
+
+    b13, b2, btargets = params(torch.bfloat16)
+    q13, q2, qtargets = params(torch.float8_e4m3fn)
+    s13 = [torch.full((experts, 12, 16), -1.0, device=dev) for _ in range(layers)]
+    s2 = [torch.full((experts, 16, 6), -1.0, device=dev) for _ in range(layers)]
+    scales = {}
+    for li in range(layers):
+        for e in range(experts):
+            scales[f"l{li}.e{e}.gate"] = s13[li][e, :6]
+            scales[f"l{li}.e{e}.up"] = s13[li][e, 6:]
+            scales[f"l{li}.e{e}.down"] = s2[li][e]
+    bf16 = compile_program(manifest, btargets, {}, dev)
+    fp8 = compile_program(manifest, qtargets, {}, dev, scales)
+    assert fp8.fp8 is not None and fp8.fp8.fp8_tables and not fp8.fp8.slow_fp8
+
+    def step(program) -> None:  # type: ignore[no-untyped-def]
+        program.copy_bucket(0, lambda i: raw)
+
+    def timed(program, reps: int = 10) -> float:  # type: ignore[no-untyped-def]
+        step(program)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step(program)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    t_bf16, t_fp8 = timed(bf16), timed(fp8)
+    print(
+        f"\ncopy program, {layers} A3B expert layers ({2 * total / 1e9:.2f} GB bf16 in): "
+        f"bf16 {t_bf16:.3f} ms "
+        f"({4 * total / t_bf16 / 1e6:.0f} GB/s moved), fp8 quantize-on-copy {t_fp8:.3f} ms "
+        f"({3 * total / t_fp8 / 1e6:.0f} GB/s moved): ratio fp8/bf16 {t_fp8 / t_bf16:.2f}"
+    )
+    for li in range(layers):
+        for w, s, b in ((q13[li], s13[li], b13[li]), (q2[li], s2[li], b2[li])):
+            rq, rs = fp8_block.quantize(b)
+            assert_bits(w, s, rq, rs)
