@@ -28,6 +28,12 @@ On the H200 (no network; see the report of issue 33 for the exact device command
     bash scripts/sglang-gpu-carry.sh; python bench/slime_compare.py prepare      # here, once
     device: carry [".device/sglang-gpu", ".device/slime"], command: bench/slime_compare.py's DEVICE_COMMAND
 
+Here, a smoke run of the plumbing (our path bitwise and versioned; slime's path fails by design on CPU:
+SGLang's patched tensor reductions, which slime's serialization uses, assume CUDA tensors):
+    M=$(bash scripts/megatron-env.sh 0.16.1); G=$(bash scripts/sglang-env.sh 0.5.10)
+    PYTHONPATH=$M:$G CUDA_VISIBLE_DEVICES= python bench/slime_compare.py bench --device cpu \
+        --preset tiny-qwen3 --steps 2 --no-record
+
 Ray cannot be carried (80 MB wheel): bench/slime_stubs/ray stands in for the names slime's module imports
 (`ray.get` of the bench's finished results). megatron-core (slime's module imports `megatron.core.mpu`) is
 carried as its wheel. Everything else slime's function runs is slime's and SGLang's own.
@@ -77,8 +83,11 @@ def prepare() -> int:
 
 def slime_path() -> None:
     """slime's source, the ray stand-in and megatron-core (installed from the carried wheel) importable."""
+    import importlib.util
+
     site = Path(tempfile.gettempdir()) / "slime-site"
-    if not (site / "megatron" / "core").is_dir():
+    have = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
+    if not have and not (site / "megatron" / "core").is_dir():
         wheels = sorted(CARRY.glob("megatron_core-*.whl"))
         if not wheels:
             raise SystemExit(f"no megatron-core wheel in {CARRY}: run `bench/slime_compare.py prepare`")
@@ -142,6 +151,7 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: Any, root: Path) 
     import torch.distributed as dist
     from sglang_gpu import (
         PRESETS,
+        TINY,
         Engine,
         Piece,
         commit,
@@ -171,7 +181,8 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: Any, root: Path) 
     group = dist.new_group([0], backend="gloo")
     monkey_patch_torch_reductions()  # what slime's HF weight iterator does before sending
 
-    config, mem = PRESETS[preset]
+    presets = {**PRESETS, **{f"tiny-{arch}": (cfg, 0.05) for arch, cfg in TINY.items()}}
+    config, mem = presets[preset]
     t0 = time.perf_counter()
     engine = Engine(args, root / f"slime-{preset}", redis, config, mem=mem, verify="None")
     client = engine.client
@@ -181,10 +192,11 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: Any, root: Path) 
         ColocatedRollout(client).start()  # each worker answers the writer's IPC preflight
         params = engine.probe("meta")["params"]
         names = sorted(params)
-        buf, views = trainer_buffer(params, "cuda")
+        dev = "cuda" if args.device == "cuda" else "cpu"
+        buf, views = trainer_buffer(params, dev)
         nbytes = buf.numel() * buf.element_size()
         floor = copy_floor_ms(buf)
-        writer = new_writer(engine.cfg(), device=0)
+        writer = new_writer(engine.cfg(), device=0 if dev == "cuda" else None)
         layout = writer.in_place_layout([Piece(n, t) for n, t in views.items()])
         handle = EngineHandle(client)
         limit = args.bucket_mb * 1024**2
@@ -193,97 +205,109 @@ def bench_preset(args: argparse.Namespace, preset: str, redis: Any, root: Path) 
         version = 0
         try:
             for path in args.paths:
-                rows = []
-                for _ in range(args.warmup + args.steps):
-                    version += 1
-                    views[names[0]].add_(1)  # "training": each sync's weights differ from the last
-                    sync()
-                    phases: dict[str, float] = {}
-                    mark = time.perf_counter()
+                try:
+                    rows = []
+                    for _ in range(args.warmup + args.steps):
+                        version += 1
+                        views[names[0]].add_(1)  # "training": each sync's weights differ from the last
+                        sync()
+                        phases: dict[str, float] = {}
+                        mark = time.perf_counter()
 
-                    def lap(name: str, phases=phases) -> None:
-                        nonlocal mark
-                        now = time.perf_counter()
-                        phases[name] = phases.get(name, 0.0) + (now - mark) * 1e3
-                        mark = now
+                        def lap(name: str, phases=phases) -> None:
+                            nonlocal mark
+                            now = time.perf_counter()
+                            phases[name] = phases.get(name, 0.0) + (now - mark) * 1e3
+                            mark = now
 
-                    client.pause_generation()
-                    client.flush_cache()
-                    lap("pause_flush")
-                    if path == "ours":
-                        pending = writer.publish_in_place(
-                            version, layout, weight_version=str(version), keep_mapped=True
-                        )
-                        lap("publish")
-                        client.update_weights_from_tensor(
-                            [EMPTY_PAYLOAD], load_format=LOADER_PATH, weight_version=None, flush_cache=False
-                        )
-                        lap("update_call")
-                        writer.wait_and_free(pending)
-                        lap("confirm")
-                        client.update_weights_from_tensor(
-                            [EMPTY_PAYLOAD],
-                            load_format=INIT_LOADER_PATH,
-                            weight_version=str(version),
-                            flush_cache=False,
-                        )
-                        lap("version")
-                    else:
-                        for bucket in groups:
-                            hf = list(to_checkpoint({n: views[n] for n in bucket}, config).items())
-                            sync()
-                            lap("convert")
-                            refs, long_lived = _send_to_colocated_engine(
-                                hf,
-                                ipc_engine=handle,
-                                ipc_gather_src=0,
-                                ipc_gather_group=group,
-                                weight_version=version,
+                        client.pause_generation()
+                        client.flush_cache()
+                        lap("pause_flush")
+                        if path == "ours":
+                            pending = writer.publish_in_place(
+                                version, layout, weight_version=str(version), keep_mapped=True
                             )
-                            ray.get(refs)
-                            del refs, long_lived, hf
-                            torch.cuda.ipc_collect()
-                            torch.cuda.empty_cache()
-                            lap("send_and_load")
-                    client.continue_generation()
-                    lap("continue")
-                    rows.append(phases)
-                    log(f"{preset} {path} sync {version}: {sum(phases.values()):.1f} ms {_round(phases)}")
-                ours = {n: digest(t) for n, t in views.items()}
-                torch.cuda.empty_cache()
-                theirs = engine.probe("digests")
-                wrong = [n for n in ours if theirs.get(n) != ours[n]]
-                version_now = client.get_weight_version()
-                timed = rows[args.warmup :]
-                keys = sorted({k for r in timed for k in r})
-                line = {
-                    "preset": preset,
-                    "path": path,
-                    "sglang_version": client.engine.version,
-                    "slime_commit": "624b824a898ab0ec1fcb4d373004c7f3852bf515",
-                    "total_ms": round(statistics.median(sum(r.values()) for r in timed), 3),
-                    "phases_ms": {k: round(statistics.median(r.get(k, 0.0) for r in timed), 3) for k in keys},
-                    "totals_ms": [round(sum(r.values()), 3) for r in timed],
-                    "floor_ms": round(floor, 3),
-                    "bytes": nbytes,
-                    "params": len(params),
-                    "slime_buckets": len(groups) if path == "slime" else None,
-                    "bucket_mb": args.bucket_mb,
-                    "bitwise": not wrong,
-                    "weight_version": version_now,
-                    "weight_version_ok": version_now == str(version),
-                    "steps": len(timed),
-                    "device": device_name(),
-                    "commit": commit(),
-                    "date": time.strftime("%Y-%m-%d"),
-                }
-                if wrong:
-                    line["wrong"] = wrong[:5]
-                log(json.dumps(line))
-                lines.append(line)
+                            lap("publish")
+                            client.update_weights_from_tensor(
+                                [EMPTY_PAYLOAD],
+                                load_format=LOADER_PATH,
+                                weight_version=None,
+                                flush_cache=False,
+                            )
+                            lap("update_call")
+                            writer.wait_and_free(pending)
+                            lap("confirm")
+                            client.update_weights_from_tensor(
+                                [EMPTY_PAYLOAD],
+                                load_format=INIT_LOADER_PATH,
+                                weight_version=str(version),
+                                flush_cache=False,
+                            )
+                            lap("version")
+                        else:
+                            for bucket in groups:
+                                hf = list(to_checkpoint({n: views[n] for n in bucket}, config).items())
+                                sync()
+                                lap("convert")
+                                refs, long_lived = _send_to_colocated_engine(
+                                    hf,
+                                    ipc_engine=handle,
+                                    ipc_gather_src=0,
+                                    ipc_gather_group=group,
+                                    weight_version=version,
+                                )
+                                ray.get(refs)
+                                del refs, long_lived, hf
+                                if dev == "cuda":
+                                    torch.cuda.ipc_collect()
+                                    torch.cuda.empty_cache()
+                                lap("send_and_load")
+                        client.continue_generation()
+                        lap("continue")
+                        rows.append(phases)
+                        log(f"{preset} {path} sync {version}: {sum(phases.values()):.1f} ms {_round(phases)}")
+                    ours = {n: digest(t) for n, t in views.items()}
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+                    theirs = engine.probe("digests")
+                    wrong = [n for n in ours if theirs.get(n) != ours[n]]
+                    version_now = client.get_weight_version()
+                    timed = rows[args.warmup :]
+                    keys = sorted({k for r in timed for k in r})
+                    line = {
+                        "preset": preset,
+                        "path": path,
+                        "sglang_version": client.engine.version,
+                        "slime_commit": "624b824a898ab0ec1fcb4d373004c7f3852bf515",
+                        "total_ms": round(statistics.median(sum(r.values()) for r in timed), 3),
+                        "phases_ms": {
+                            k: round(statistics.median(r.get(k, 0.0) for r in timed), 3) for k in keys
+                        },
+                        "totals_ms": [round(sum(r.values()), 3) for r in timed],
+                        "floor_ms": round(floor, 3),
+                        "bytes": nbytes,
+                        "params": len(params),
+                        "slime_buckets": len(groups) if path == "slime" else None,
+                        "bucket_mb": args.bucket_mb,
+                        "bitwise": not wrong,
+                        "weight_version": version_now,
+                        "weight_version_ok": version_now == str(version),
+                        "steps": len(timed),
+                        "device": device_name(),
+                        "commit": commit(),
+                        "date": time.strftime("%Y-%m-%d"),
+                    }
+                    if wrong:
+                        line["wrong"] = wrong[:5]
+                    log(json.dumps(line))
+                    lines.append(line)
+                except Exception as err:  # the other path's line stays
+                    trace = traceback.format_exc()[-3000:]
+                    log(f"{preset} {path}: FAILED {type(err).__name__}: {err}\n{trace}")
         finally:
             writer.close()
-            torch.cuda.ipc_collect()
+            if dev == "cuda":
+                torch.cuda.ipc_collect()
         return lines
     finally:
         engine.stop()
@@ -315,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         for preset in args.preset:
             cmd = [sys.executable, __file__, "bench", "--preset", preset, "--paths", *args.paths]
             cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
-            cmd += ["--bucket-mb", str(args.bucket_mb)]
+            cmd += ["--bucket-mb", str(args.bucket_mb), "--device", args.device]
             cmd += ["--keep-dir", args.keep_dir] if args.keep_dir else []
             cmd += [] if args.record else ["--no-record"]
             status |= subprocess.run(cmd, check=False).returncode
@@ -356,14 +380,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="here: the megatron-core wheel into .device/slime")
     b = sub.add_parser("bench")
-    b.add_argument("--preset", nargs="+", default=["qwen3-8b"])
+    b.add_argument("--preset", nargs="+", default=["qwen3-8b"], help="qwen3-8b, qwen3-30b-a3b, tiny-qwen3")
     b.add_argument("--paths", nargs="+", choices=("ours", "slime"), default=["ours", "slime"])
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--steps", type=int, default=3)
     b.add_argument("--bucket-mb", type=int, default=512, help="slime's --update-weight-buffer-size, MiB")
     b.add_argument("--keep-dir", default=None, help="logs and JSON lines also here (the device's $OUT)")
     b.add_argument("--no-record", dest="record", action="store_false")
-    b.add_argument("--device", default="cuda", choices=("cuda",))
+    b.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: a smoke run against the CPU SGLang tier (PYTHONPATH from scripts/sglang-env.sh), shared "
+        "memory in place of CUDA IPC; slime's CUDA-IPC serialization is not expected to work there",
+    )
     args = parser.parse_args(argv)
     return prepare() if args.cmd == "prepare" else run(args)
 
