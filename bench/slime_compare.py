@@ -26,7 +26,7 @@ and compared with the trainer's buffer: bitwise or the line says which differ. M
 
 On the H200 (no network; see the report of issue 33 for the exact device command):
     bash scripts/sglang-gpu-carry.sh; python bench/slime_compare.py prepare      # here, once
-    device: carry [".device/sglang-gpu", ".device/slime"], command: bench/slime_compare.py's DEVICE_COMMAND
+    device: carry [".device/sglang-gpu", ".device/slime"], command: DEVICE_COMMAND below, per preset
 
 Here, a smoke run of the plumbing (our path bitwise and versioned; slime's path fails by design on CPU:
 SGLang's patched tensor reductions, which slime's serialization uses, assume CUDA tensors):
@@ -63,8 +63,8 @@ MEGATRON = "0.16.1"
 DEVICE_COMMAND = (
     'bash -c \'set -e; eval "$(sed -n "/^setup_device()/,/^}/p;/^setup_sglang_gpu()/,/^}/p" '
     'bench/colocated_device.sh)"; REPO=$PWD; CARRY=$REPO/.device/colocated; setup_sglang_gpu; '
-    "python3 bench/slime_compare.py bench --preset qwen3-8b qwen3-30b-a3b --keep-dir $OUT'"
-)
+    "python3 bench/slime_compare.py bench --preset @PRESET@ --steps @STEPS@ --keep-dir $OUT'"
+)  # one preset per device command (10 min each): qwen3-8b with --steps 3, qwen3-30b-a3b with --steps 2
 
 
 def prepare() -> int:
