@@ -60,7 +60,10 @@ class Block:
 
 @dataclass(slots=True)
 class BlockTable:
-    table: torch.Tensor  # int64 [n, 8] on the device
+    # int64 [n, 8] tables on the device: blocks BK wide with 16-byte aligned rows (vector accesses, no column
+    # mask), then the rest (edge blocks, odd offsets); either may be None
+    full: torch.Tensor | None
+    ragged: torch.Tensor | None
     dst_base: torch.Tensor  # uint8 view of the first destination; offsets in `table` are bytes from it
     keep: tuple[torch.Tensor, ...]  # every destination, so no address in `table` is freed under it
     nblocks: int
@@ -71,24 +74,26 @@ class BlockTable:
     def launch(self, src: torch.Tensor) -> None:
         """Enqueue the quantizing copies on the current stream. `src`: this step's BF16 source (flat or any
         shape: only its address and dtype matter)."""
-        if src.dtype != torch.bfloat16 or src.device != self.table.device:
+        if src.dtype != torch.bfloat16 or src.device != self.dst_base.device:
             raise TypeError(
-                f"source must be bfloat16 on {self.table.device}, got {src.dtype} on {src.device}"
+                f"source must be bfloat16 on {self.dst_base.device}, got {src.dtype} on {src.device}"
             )
-        if self.nblocks == 0:
-            return
         kernel = _kernel_module()
         assert kernel is not None
-        kernel.quantize_blocks[(self.nblocks,)](
-            src,
-            self.dst_base,
-            self.table,
-            self.fmt.amax_floor,
-            UE8M0=self.fmt.ue8m0,
-            BM=self.fmt.block[0],
-            BK=self.fmt.block[1],
-            num_warps=WARPS,
-        )
+        for table, full in ((self.full, True), (self.ragged, False)):
+            if table is None:
+                continue
+            kernel.quantize_blocks[(table.shape[0],)](
+                src,
+                self.dst_base,
+                table,
+                self.fmt.amax_floor,
+                UE8M0=self.fmt.ue8m0,
+                BM=self.fmt.block[0],
+                BK=self.fmt.block[1],
+                FULL=full,
+                num_warps=WARPS,
+            )
 
 
 def build(blocks: Sequence[Block], device: torch.device, fmt: BlockFp8 = FP32_SCALES) -> BlockTable:
@@ -97,7 +102,8 @@ def build(blocks: Sequence[Block], device: torch.device, fmt: BlockFp8 = FP32_SC
     bm, bk = fmt.block
     base = blocks[0].q
     base_ptr = base.data_ptr()
-    rows: list[tuple[int, ...]] = []
+    full: list[tuple[int, ...]] = []
+    ragged: list[tuple[int, ...]] = []
     keep: dict[int, torch.Tensor] = {}
     src_bytes = dst_bytes = 0
     for b in blocks:
@@ -117,26 +123,21 @@ def build(blocks: Sequence[Block], device: torch.device, fmt: BlockFp8 = FP32_SC
         if b.q.device != device or b.scale.device != device:
             raise ValueError(f"block destinations must be on {device}")
         r, c = b.q.shape
-        rows.append(
-            (
-                b.src_offset,
-                b.src_row_stride,
-                b.q.data_ptr() - base_ptr,
-                b.q.stride(0),
-                b.scale.data_ptr() - base_ptr,
-                r,
-                c,
-                0,
-            )
+        row = (b.src_offset, b.src_row_stride, b.q.data_ptr() - base_ptr, b.q.stride(0))
+        aligned = c == bk and all(v % 8 == 0 for v in row[:2]) and all(v % 16 == 0 for v in row[2:])
+        (full if aligned and base_ptr % 16 == 0 else ragged).append(
+            (*row, b.scale.data_ptr() - base_ptr, r, c, 0)
         )
         src_bytes += 2 * r * c
         dst_bytes += r * c + 4
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 8).to(device)
+    tables = [
+        torch.tensor(t, dtype=torch.int64).reshape(-1, 8).to(device) if t else None for t in (full, ragged)
+    ]
     base_bytes = torch.empty(0, dtype=torch.uint8, device=device).set_(base.untyped_storage())
     for b in blocks:
         keep.setdefault(id(b.q.untyped_storage()), b.q)
         keep.setdefault(id(b.scale.untyped_storage()), b.scale)
-    return BlockTable(table, base_bytes, tuple(keep.values()), len(rows), fmt, src_bytes, dst_bytes)
+    return BlockTable(*tables, base_bytes, tuple(keep.values()), len(blocks), fmt, src_bytes, dst_bytes)
 
 
 def param_blocks(

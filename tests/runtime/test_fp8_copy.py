@@ -107,7 +107,7 @@ def test_one_launch_many_parameters_from_one_bucket() -> None:
     q_off = 64  # the pieces sit at arbitrary element offsets in the bucket
     k_off = q_off + 256 * 256 + 128
     v_off = k_off + 128 * 256 + 8
-    d_off = v_off + 128 * 256 + 1000
+    d_off = v_off + 128 * 256 + 1001  # odd: down's blocks take the kernel's unaligned variant
     bucket[q_off : q_off + 256 * 256] = qkv[:256].flatten()
     bucket[k_off : k_off + 128 * 256] = qkv[256:384].flatten()
     bucket[v_off : v_off + 128 * 256] = qkv[384:].flatten()
@@ -122,6 +122,8 @@ def test_one_launch_many_parameters_from_one_bucket() -> None:
     blocks += fp8_copy.param_blocks(d_off, (384, 1), w_down, s_down)
     table = fp8_copy.build(blocks, torch.device("cpu"))
     assert table.nblocks == 4 * 2 + 2 * 3
+    assert table.full is not None and table.full.shape[0] == 8  # q, k, v: aligned, full width
+    assert table.ragged is not None and table.ragged.shape[0] == 6
     table.launch(bucket)
     check_equal(qkv, w_qkv, s_qkv, BlockFp8())
     check_equal(down, w_down, s_down, BlockFp8())
