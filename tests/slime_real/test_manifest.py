@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,25 @@ def test_the_manifest_is_admitted_by_the_apiserver(cluster, crd, namespace: str)
     admitted = json.loads(result.stdout)
     assert admitted["spec"]["trainer"]["command"] == job()["spec"]["trainer"]["command"]
     assert admitted["spec"]["parallelism"]["inference"]["tensor"] == admitted["spec"]["gpusPerNode"]
+
+
+DOC = ROOT / "docs" / "slime.md"
+
+
+def test_the_documented_sglang_command_is_the_manifest_s() -> None:
+    from tests.test_doc_snippets import blocks
+
+    (command,) = [b for b in blocks(DOC, "sh") if "sglang.launch_server" in b]
+    assert shlex.split(command.replace("\\\n", " ")) == job()["spec"]["rollout"]["command"]
+
+
+def test_the_documented_train_py_change_names_what_the_hook_defines() -> None:
+    from tests.test_doc_snippets import blocks
+
+    actor = (ROOT / "runtime" / "integrations" / "slime" / "actor.py").read_text()
+    snippets = blocks(DOC, "python")
+    assert any("actor_cls=ColocateMegatronTrainRayActor" in s for s in snippets)
+    assert "class ColocateMegatronTrainRayActor(MegatronTrainRayActor)" in actor
+    assert any("colocate_finish.remote()" in s for s in snippets) and "def colocate_finish(" in actor
+    readme = blocks(ROOT / "examples" / "slime" / "README.md", "python")
+    assert readme and all(s in snippets for s in readme)  # the recipe shows the same change
