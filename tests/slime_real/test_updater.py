@@ -217,8 +217,9 @@ def test_an_engine_failure_is_every_rank_s_failure(one_rank: None) -> None:
         ({}, {"LD_PRELOAD": "/x/torch_memory_saver_hook_mode_preload_cu12.abi3.so"}, "LD_PRELOAD"),
         ({}, {"TMS_INIT_ENABLE": "1"}, "torch_memory_saver"),
         ({"update_weight_mode": "delta"}, {}, "--update-weight-mode delta"),
+        ({}, {"SLIME_ENABLE_EXPANDABLE_SEGMENTS": "1"}, "SLIME_ENABLE_EXPANDABLE_SEGMENTS=1"),
     ],
-    ids=["offload-train", "tms-preload", "tms-init", "delta"],
+    ids=["offload-train", "tms-preload", "tms-init", "delta", "expandable-segments"],
 )
 def test_unsupported_setups_are_refused_naming_the_flag(over: dict, environ: dict, says: str) -> None:
     with pytest.raises(UnsupportedSlimeSetup, match=says):

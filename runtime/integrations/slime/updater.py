@@ -79,6 +79,11 @@ def check_slime_args(args: Namespace, environ: Mapping[str, str] | None = None) 
             "--offload-train): the colocated updater shares its buffers over CUDA IPC and must not allocate "
             "in a torch_memory_saver region; start the trainer without it (--no-offload-train)"
         )
+    if environ.get("SLIME_ENABLE_EXPANDABLE_SEGMENTS") == "1":
+        raise UnsupportedSlimeSetup(
+            "SLIME_ENABLE_EXPANDABLE_SEGMENTS=1 makes slime's trainer allocate from expandable segments, "
+            "which CUDA IPC cannot export: unset it (slime's default is 0)"
+        )
     if getattr(args, "update_weight_mode", "full") != "full":
         raise UnsupportedSlimeSetup(
             f"--update-weight-mode {args.update_weight_mode} is not the colocated updater's (full updates)"
