@@ -37,6 +37,8 @@ from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.exchange_seam import Exchange, ExchangeRequest
+from colocate_runtime.colocated.fp8_block import BlockFp8
+from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.kept import KeptMappings
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
@@ -124,13 +126,19 @@ class WeightReader:
         target_shards: Mapping[str, TensorShard] | None = None,
         exchange: Exchange | None = None,
         finalize: Callable[[], None] | None = None,
+        scales: Mapping[str, torch.Tensor] | None = None,
+        fp8_format: BlockFp8 = FP32_SCALES,
     ) -> None:
         """`finalize` runs after the copy and the verified close, before the ACK: the engine rebuilds what it
-        derives from the weights (SGLang's `post_load_weights`); if it raises, the step fails."""
+        derives from the weights (SGLang's `post_load_weights`); if it raises, the step fails. `scales`: the
+        `weight_scale_inv` of every target the engine holds in block FP8 (e4m3): the trainer's BF16 pieces
+        are quantized into it while copied, scales in `fp8_format` (reader_program.compile_program)."""
         self.store = store
         self.importer = importer
         self.targets = dict(targets)
         self.target_shards = dict(target_shards or {})
+        self.scales = dict(scales or {})
+        self.fp8_format = fp8_format
         self.settings = settings
         self.exchange = exchange
         self.finalize = finalize
@@ -488,7 +496,14 @@ class WeightReader:
         """The copy program of a layout, built (and checked) once: layouts repeat from step to step."""
         return self._programs.get(
             manifest,
-            lambda m: compile_program(m, self.targets, self.target_shards, self._kernel_device()),
+            lambda m: compile_program(
+                m,
+                self.targets,
+                self.target_shards,
+                self._kernel_device(),
+                self.scales or None,
+                self.fp8_format,
+            ),
         )
 
     def _hash_of(self, manifest: Manifest) -> str:
@@ -517,8 +532,8 @@ class WeightReader:
         wrong = []
         for name, expected in sorted(manifest.checksums.items()):
             target = self.targets.get(name)
-            if target is None or name in self.target_shards:
-                continue  # compared only where the parameter is the whole entry
+            if target is None or name in self.target_shards or name in self.scales:
+                continue  # compared only where the parameter is the whole entry, as sent (not quantized)
             if checksum.tensor_checksum(target) != expected:
                 wrong.append(name)
         return wrong

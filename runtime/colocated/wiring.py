@@ -9,6 +9,8 @@ import torch
 
 from colocate_runtime.colocated.config import ColocateConfig, ConfigError
 from colocate_runtime.colocated.exchange_seam import Exchange
+from colocate_runtime.colocated.fp8_block import BlockFp8
+from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.liveness import host_id
 from colocate_runtime.colocated.metastore import MetaStore
@@ -130,9 +132,12 @@ def new_reader(
     store: MetaStore | None = None,
     preflight: bool = True,
     finalize: Callable[[], None] | None = None,
+    scales: Mapping[str, torch.Tensor] | None = None,
+    fp8_format: BlockFp8 = FP32_SCALES,
 ) -> WeightReader:
     """A started reader over `targets` (name -> parameter), heartbeating, and (unless the preflight is Off or
-    `preflight=False`: another responder serves this GPU) answering the trainer's IPC preflight."""
+    `preflight=False`: another responder serves this GPU) answering the trainer's IPC preflight. `scales`:
+    the scale tensor of each target held in block FP8, quantized into while copied (WeightReader)."""
     reader = WeightReader(
         store or connect(cfg),
         importer_for(cfg, rank=rank, device=device),
@@ -141,6 +146,8 @@ def new_reader(
         target_shards=target_shards,
         exchange=exchange,
         finalize=finalize,
+        scales=scales,
+        fp8_format=fp8_format,
     ).start()
     if preflight and cfg.ipc_preflight != "Off":
         reader.preflight = new_responder(cfg, rank=rank, device=device, store=reader.store)
