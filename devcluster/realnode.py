@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -32,12 +33,43 @@ from colocate_devcluster.processes import Component, ComponentError, free_port
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 REAL_NODE_LABEL = "colocate.dev/real-node"
 # Only pods that ask for the real node land there (a toleration and, to be sure, a nodeSelector): the kwok
-# nodes keep taking everything else, whose images (Redis, trainers, SGLang) are not built here yet.
+# nodes keep taking everything else. A job meant for it (tests/realnode, `make demo` with --real-node) selects
+# and tolerates it; its Redis, which the operator renders without tolerations, gets there once the node's
+# taint is removed and the kwok nodes cordoned (`dedicate`).
 REAL_NODE_TAINT = {"key": REAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}
 REAL_NODE_TOLERATION = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
 SERVICE_HOST = "10.96.0.1"  # the `kubernetes` Service's ClusterIP (first of --service-cluster-ip-range)
 SERVICE_FQDN = "kubernetes.default.svc.cluster.local"
 PAUSE_IMAGE = "localhost/pause:colocate"
+
+
+# A STAND-IN for a GPU driver: the node advertises GPUs as a plain extended resource (Kubernetes' documented
+# way for node-level resources: a patch of the node's status; the kubelet keeps it and admits pods against it)
+# and no device plugin or DRA driver hands out devices, so the containers see none. Jobs use
+# gpu.allocation DevicePlugin to land there (a DRA claim would wait for a driver that is not there).
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def advertise_gpus(count: int, resource: str = GPU_RESOURCE) -> list[str]:
+    """The kubectl arguments that give the node `count` of `resource` (the node's name to be appended)."""
+    key = resource.replace("~", "~0").replace("/", "~1")
+    patch = [
+        {"op": "add", "path": f"/status/{field}/{key}", "value": str(count)}
+        for field in ("capacity", "allocatable")
+    ]
+    return ["patch", "--subresource=status", "--type=json", "-p", json.dumps(patch), "node"]
+
+
+def dedicate(kubectl: Callable[..., Any], index: int = 0, gpus: int = 1) -> None:
+    """Make real node `index` the cluster's only schedulable node, untainted and with `gpus` GPUs (the
+    stand-in above): every pod created from now on, the operator's Redis included, runs a real container
+    there. `kubectl` is Cluster.kubectl. The kwok nodes are cordoned, not removed (their pods stay)."""
+    name = node_name(index)
+    others = [n for n in kubectl("get", "nodes", "-o", "name").stdout.split() if n != f"node/{name}"]
+    if others:
+        kubectl("cordon", *others)
+    kubectl("taint", "node", name, f"{REAL_NODE_LABEL}-", check=False)  # already gone: fine
+    kubectl(*advertise_gpus(gpus), name)
 
 
 def node_name(index: int) -> str:
@@ -154,6 +186,11 @@ class RealNode:
         self._import_images()
         self.say(f"{self.name}: containerd up, images imported in {time.monotonic() - started:.1f} s")
         gateway = str(next(self.subnet.hosts()))
+        token_file = (
+            self.dir / "dns.token"
+        )  # the node's token, for the DNS's API reads (not on a command line)
+        token_file.touch(mode=0o600)
+        token_file.write_text(self.token)
         dns = Component(
             f"dns-{self.name}",
             [
@@ -162,6 +199,9 @@ class RealNode:
                 "colocate_devcluster.dns",
                 f"--listen={gateway}:53",
                 *(f"--record={n}={SERVICE_HOST}" for n in ("kubernetes.default.svc", SERVICE_FQDN)),
+                f"--api-server={self.server}",
+                f"--ca={self.ca_cert}",
+                f"--token-file={token_file}",
             ],
             self.dir / "dns.log",
         )

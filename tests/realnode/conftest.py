@@ -5,7 +5,9 @@ plugins absent)."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,8 +15,22 @@ from collections.abc import Iterator
 import pytest
 
 from colocate_devcluster import Cluster, ClusterSpec
-from colocate_devcluster.realnode import can_run
-from tests.kube import ROOT
+from colocate_devcluster.realnode import REAL_NODE_LABEL, REAL_NODE_TOLERATION, can_run
+from tests.kube import CHART, ROOT, helm
+
+IMAGE_REPOSITORY = "localhost/colocate-operator"  # what scripts/build-images.sh tags, the chart's appVersion
+ON_REAL_NODE = (
+    "--set-json", f'nodeSelector={{"{REAL_NODE_LABEL}":"true"}}',
+    "--set-json", f"tolerations={json.dumps([REAL_NODE_TOLERATION])}",
+)  # fmt: skip
+
+
+def new_namespace(cluster: Cluster, labels: dict[str, str] | None = None) -> str:
+    name = f"rn-{secrets.token_hex(4)}"
+    cluster.apply(
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}]
+    )
+    return name
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +55,27 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         else:
             os.environ["KUBECONFIG"] = previous
         print(f"\n[devcluster] real-node logs kept in {cluster.workdir}/realnode-0", file=sys.stderr)
+
+
+# Pod Security "restricted", enforced: the namespace of the job that runs on real containers
+# (test_realnode_job.py).
+RESTRICTED = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")}
+
+
+@pytest.fixture(scope="session")
+def job_namespace(real_cluster: Cluster) -> str:
+    return new_namespace(real_cluster, RESTRICTED)
+
+
+@pytest.fixture(scope="session")
+def operator_namespace(real_cluster: Cluster, job_namespace: str) -> str:
+    """The chart installed with the image built here, its operator pinned to the real node and managing the
+    job's namespace (the chart's default RBAC: a Role there, nothing cluster-wide but reads)."""
+    namespace = new_namespace(real_cluster)
+    helm(
+        real_cluster, "install", "op", str(CHART), "--namespace", namespace,
+        "--set", f"image.repository={IMAGE_REPOSITORY}", "--set", "image.pullPolicy=Never",
+        "--set", f"watchNamespaces={{{job_namespace}}}",
+        *ON_REAL_NODE, "--wait", "--timeout", "90s",
+    )  # fmt: skip
+    return namespace
