@@ -21,6 +21,7 @@ operators' resident memory under `--max-rss-mib`. Prints a JSON summary; exits 1
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -290,6 +291,18 @@ def make_jobs(cluster: Cluster, world: World, count: int, rng: random.Random) ->
     world.uids = {j["metadata"]["name"]: j["metadata"]["uid"] for j in items}
 
 
+def pod_states(cluster: Cluster, job: str) -> list[str]:
+    """What a stuck job's worker pods show: name, phase, node (none: never scheduled), scheduling reason."""
+    listed = kubectl_json(cluster, "pods", "-l", f"colocate.dev/job={job},colocate.dev/component=worker")
+    states = []
+    for pod in listed.get("items", []):
+        status = pod.get("status") or {}
+        reasons = [c.get("reason") for c in status.get("conditions") or [] if c.get("status") == "False"]
+        node = (pod.get("spec") or {}).get("nodeName") or "unscheduled"
+        states.append(f"{pod['metadata']['name']} {status.get('phase')} on {node} {reasons or ''}".strip())
+    return states
+
+
 def settle(cluster: Cluster, world: World, timeout: float) -> dict[str, str]:
     """Wait for every job to reach the phase it should end in; returns the jobs that did not."""
 
@@ -336,8 +349,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             lease,
         )
 
-        def start_operator(number: int) -> OperatorProcess:
-            log = workdir / f"operator-{number}.log"
+        numbers = itertools.count()
+
+        def start_operator(_: int) -> OperatorProcess:
+            log = workdir / f"operator-{next(numbers)}.log"
             # The chart's resync interval, not the tests' 2 s: 50 jobs on 2 shared cores.
             env = {"COLOCATE_RECONCILE_INTERVAL_SECONDS": "30"}
             return OperatorProcess(NAMESPACE, log, identity, election, **env).start(timeout=120)
@@ -365,7 +380,9 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.5)
         wrong = settle(cluster, world, args.settle_seconds)
         for name, phase in sorted(wrong.items()):
-            world.violate(f"job {name} is {phase} after the faults stopped")
+            world.violate(
+                f"job {name} is {phase} after the faults stopped; its pods: {pod_states(cluster, name)}"
+            )
         if not check(cluster, world, operators, args.max_rss_mib):
             world.violate("the API server did not answer the final check")
         return {
