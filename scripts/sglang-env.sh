@@ -11,7 +11,7 @@
 # PYTHONPATH to use; progress goes to stderr.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-version=${1:?usage: sglang-env.sh VERSION (0.5.10 or 0.5.23)}
+version=${1:?usage: sglang-env.sh VERSION (0.5.10, 0.5.17 or 0.5.23)}
 say() { printf '[sglang-env] %s\n' "$*" >&2; }
 
 # Pure-Python or manylinux wheels only (no compilers, no CUDA). Shared by both versions.
@@ -28,8 +28,10 @@ common=(
 )
 case "$version" in
   0.5.10) extra=(sglang==0.5.10 xgrammar==0.1.32) ;;
+  # 0.5.17 registers a `qwen3_asr` config that transformers >= 5.13 already has: its own pin, 5.12.1
+  0.5.17) extra=(sglang==0.5.17 apache-tvm-ffi==0.1.11 xgrammar==0.2.7 transformers==5.12.1 tokenizers==0.22.2 huggingface-hub==1.33.0) ;;
   0.5.23) extra=(sglang==0.5.23 apache-tvm-ffi==0.1.11 xgrammar==0.2.7) ;;
-  *) say "unsupported version $version (pinned: 0.5.10, 0.5.23)"; exit 2 ;;
+  *) say "unsupported version $version (pinned: 0.5.10, 0.5.23; 0.5.17 for the slow set)"; exit 2 ;;
 esac
 
 shims=$root/tests/sglang_real/shims
