@@ -38,10 +38,13 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     why = can_run()
     if why:
         pytest.skip(f"this machine cannot run a real node: {why}")
-    # The images are cached: a warm run takes about 2 s, a cold one about 2 min (mmdebstrap, pip).
+    # The images are cached by their inputs: a warm run takes about 10-20 s (each image started once), a
+    # cold one 10 min at load average 15 (two mmdebstrap runs, pip, a 1.3 GB runtime image saved).
     script = ROOT / "scripts" / "build-images.sh"
     built = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert built.returncode == 0, f"scripts/build-images.sh failed:\n{built.stderr[-3000:]}"
+    rebuilt = [line for line in built.stderr.splitlines() if " built in " in line or " made in " in line]
+    print("\n".join([*rebuilt, built.stderr.strip().splitlines()[-1]]), file=sys.stderr)  # what it cost
     cluster = Cluster(ClusterSpec(workdir=tmp_path_factory.mktemp("realnode"), gpu_nodes=2, real_nodes=1))
     cluster.start()
     previous = os.environ.get("KUBECONFIG")
