@@ -18,6 +18,7 @@ from colocate_devcluster import Cluster, ClusterSpec
 from colocate_devcluster.realnode import REAL_NODE_LABEL, REAL_NODE_TOLERATION, can_run
 from tests.kube import CHART, ROOT, helm
 
+SLOW = os.environ.get("COLOCATE_SLOW_TESTS") == "1"  # the slow set: the job on real containers too
 IMAGE_REPOSITORY = "localhost/colocate-operator"  # what scripts/build-images.sh tags, the chart's appVersion
 ON_REAL_NODE = (
     "--set-json", f'nodeSelector={{"{REAL_NODE_LABEL}":"true"}}',
@@ -41,7 +42,10 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # The images are cached by their inputs: a warm run takes about 10-20 s (each image started once), a
     # cold one 10 min at load average 15 (two mmdebstrap runs, pip, a 1.3 GB runtime image saved).
     script = ROOT / "scripts" / "build-images.sh"
-    built = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    # The worker image (1.3 GB: a minute to import into each new containerd, more to rebuild after a source
+    # change) only for the slow set's job on real containers (test_realnode_job.py).
+    env = {**os.environ, "COLOCATE_RUNTIME_IMAGE": "1" if SLOW else "0"}
+    built = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     assert built.returncode == 0, f"scripts/build-images.sh failed:\n{built.stderr[-3000:]}"
     rebuilt = [line for line in built.stderr.splitlines() if " built in " in line or " made in " in line]
     print("\n".join([*rebuilt, built.stderr.strip().splitlines()[-1]]), file=sys.stderr)  # what it cost
