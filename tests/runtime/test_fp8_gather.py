@@ -22,6 +22,16 @@ from colocate_runtime.colocated.outcome import StepFailed
 from colocate_runtime.colocated.reader_program import compile_program
 from colocate_runtime.shards import Box, TensorShard
 
+# The kernel case runs where Triton is interpreted (it was first imported under TRITON_INTERPRET=1, above or
+# by test_fp8_copy.py); otherwise test_fp8_interpreted.py runs this module again in a fresh process.
+_triton = pytest.importorskip("triton")
+KERNEL_ON_CPU = pytest.param(
+    torch.device("cpu"),
+    marks=pytest.mark.skipif(
+        torch.cuda.is_available() or not _triton.knobs.runtime.interpret,
+        reason="Triton is not interpreted in this process: test_fp8_interpreted.py runs this in a fresh one",
+    ),
+)
 H = 256
 PARTS = {"q": (0, 256), "k": (256, 128), "v": (384, 128)}  # canonical rows inside the fused qkv_proj
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -65,7 +75,7 @@ def run(program, flat: torch.Tensor, targets: dict) -> None:  # type: ignore[no-
     program.copy_sharded(lambda i: flat, targets, {})
 
 
-@pytest.mark.parametrize("device", [None, torch.device("cpu")], ids=["torch", "kernel"])
+@pytest.mark.parametrize("device", [None, KERNEL_ON_CPU], ids=["torch", "kernel"])
 def test_packed_entries_quantized_into_fused_weight(device: torch.device | None) -> None:
     src = fused()
     flat, entries = packed(src)
@@ -79,7 +89,7 @@ def test_packed_entries_quantized_into_fused_weight(device: torch.device | None)
     assert program.covered == {f"{p}.weight": n * H for p, (_, n) in PARTS.items()}
 
 
-@pytest.mark.parametrize("device", [None, torch.device("cpu")], ids=["torch", "kernel"])
+@pytest.mark.parametrize("device", [None, KERNEL_ON_CPU], ids=["torch", "kernel"])
 def test_in_place_interleaved_views(device: torch.device | None) -> None:
     """Megatron-style storage [q_g0; k_g0; q_g1; k_g1] (one 128-row head each): the q entry is a strided view
     whose row blocks lie 256 rows apart; every block's rows are still evenly spaced."""
