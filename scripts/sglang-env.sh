@@ -49,7 +49,10 @@ build() {
     --target "$tmp/site" "${common[@]}" "${extra[@]}" >&2
   mkdir -p "$tmp/shims"
   cp -r "$shims/common/." "$tmp/shims/"
-  if [ -d "$shims/$version" ]; then cp -r "$shims/$version/." "$tmp/shims/"; fi
+  # 0.5.17's kernel imports are 0.5.23's: it takes that version's stand-ins.
+  local shim_version=$version
+  [ "$version" != 0.5.17 ] || shim_version=0.5.23
+  if [ -d "$shims/$shim_version" ]; then cp -r "$shims/$shim_version/." "$tmp/shims/"; fi
   find "$tmp" -name __pycache__ -prune -exec rm -rf {} +
   touch "$tmp/.done"
   rm -rf "$dir"
