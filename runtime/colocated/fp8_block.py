@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 E4M3_MAX = 448.0
+E4M3_MAX_RECIPROCAL = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))  # 1/448 rounded to fp32
 BLOCK = 128
 FORMAT = "fp8_e4m3_block128"  # the target dtype's name in plans and bench lines
 FP32_AMAX_FLOOR = 1e-10  # slime's blockwise_cast_to_fp8_triton eps
@@ -100,7 +101,10 @@ def ceil_to_ue8m0(s: torch.Tensor) -> torch.Tensor:
 
 def scales(amax: torch.Tensor, fmt: BlockFp8 = BlockFp8()) -> torch.Tensor:
     """Each block's `weight_scale_inv` from its amax (fp32; NaN canonical)."""
-    s = amax.float().clamp(min=fmt.amax_floor) / E4M3_MAX  # clamp keeps NaN
+    # `* (1 / 448)`, not `/ 448`: torch on CUDA divides by a Python scalar as a multiply by its fp32
+    # reciprocal, so that is what slime's and SGLang's quantizers compute on the GPU (1 ulp apart from an
+    # exact division in about half of all blocks).
+    s = amax.float().clamp(min=fmt.amax_floor) * E4M3_MAX_RECIPROCAL  # clamp keeps NaN
     if fmt.ue8m0:
         s = ceil_to_ue8m0(s)
     return _canonical_nan_fp32(s)

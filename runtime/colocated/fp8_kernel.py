@@ -2,7 +2,8 @@
 per 128x128 block, equal bit for bit to fp8_block.quantize.
 
 Nothing is left to the device's or the interpreter's own conventions: the amax ignores NaN explicitly and a
-flag carries it (GPU max instructions drop NaN, numpy's keep it), divisions are `div_rn`, and the e4m3
+flag carries it (GPU max instructions drop NaN, numpy's keep it), the scale is amax times fp32 1/448 (what
+torch computes on CUDA), the one division is `div_rn`, and the e4m3
 rounding is integer arithmetic on the fp32 bits (Triton's interpreter casts to fp8 without ties-to-even,
 saturation or subnormals), so a CPU run under TRITON_INTERPRET=1 checks the very arithmetic the GPU runs.
 
@@ -11,6 +12,10 @@ No `from __future__ import annotations` here: Triton reads the `tl.constexpr` an
 
 import triton
 import triton.language as tl
+
+from colocate_runtime.colocated.fp8_block import E4M3_MAX_RECIPROCAL as _RECIPROCAL
+
+E4M3_MAX_RECIPROCAL: tl.constexpr = tl.constexpr(_RECIPROCAL)
 
 # Row fields of the block table (int64): see fp8_copy.BlockTable.
 SRC, SRC_ROW, DST, DST_ROW, SCALE, ROWS, COLS = 0, 1, 2, 3, 4, 5, 6
@@ -55,7 +60,7 @@ def quantize_blocks(  # type: ignore[no-untyped-def]
     nan = x != x
     has_nan = tl.max(tl.max(nan.to(tl.int32), axis=1), axis=0) > 0
     amax = tl.max(tl.max(tl.where(nan, 0.0, tl.abs(x)), axis=1), axis=0)
-    s = tl.math.div_rn(tl.maximum(amax, amax_floor), 448.0)
+    s = tl.maximum(amax, amax_floor) * E4M3_MAX_RECIPROCAL  # as torch on CUDA: see fp8_block.scales
     if UE8M0:
         sb = s.to(tl.int32, bitcast=True)
         e = (sb >> 23) & 0xFF
