@@ -15,8 +15,11 @@ lint: setup
 	@.venv/bin/lint-imports --no-logo --no-cache
 
 ## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
+## Two pytest-xdist workers, a module per worker at a time (module-scoped servers start once); PYTEST_WORKERS=0
+## runs everything in one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --durations=30 $(PYTEST_ARGS)
 
 ## Fast tests only (no control plane).
 test-unit: setup
