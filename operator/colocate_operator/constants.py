@@ -93,6 +93,9 @@ class Cond:
     WEIGHT_SYNC_HEALTHY: Final = "WeightSyncHealthy"
     PROGRESSING: Final = "Progressing"
     IPC_READY: Final = "IPCReady"  # every GPU passed the runtime's IPC preflight
+    # Only once the trainer reported a rollout comparison (Publisher.report_rollout): its last step's KL
+    # within spec.weightSync.rolloutConsistency.
+    ROLLOUT_CONSISTENT: Final = "RolloutConsistent"
     ADMITTED: Final = "Admitted"  # only on a job Kueue queues (kueue.py): its Workload is admitted
 
     RECONCILED: Final = (
@@ -106,7 +109,7 @@ class Cond:
         FAILED,
         ADMITTED,
     )
-    ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING, IPC_READY)
+    ALL: Final = (*RECONCILED, WEIGHT_SYNC_HEALTHY, PROGRESSING, IPC_READY, ROLLOUT_CONSISTENT)
 
 
 class Reason:
@@ -174,6 +177,13 @@ class Reason:
     PATTERN_MISMATCH: Final = "PatternMismatch"
     PID_NAMESPACE_NOT_SHARED: Final = "PIDNamespaceNotShared"
     PEER_TIMEOUT: Final = "PeerTimeout"
+    # RolloutConsistent (written by the step-event consumer from the trainer's rollout reports)
+    KL_WITHIN_BOUNDS: Final = "KLWithinBounds"
+    KL_OVER_THRESHOLD: Final = "KLOverThreshold"  # over spec.weightSync.rolloutConsistency.klThreshold
+    KL_OVER_BASELINE: Final = "KLOverBaseline"  # over baselineFactor x the rolling baseline
+    NO_DATA: Final = "NoData"  # steps go on completing, the trainer stopped reporting
+    # Failed (action Fail) and Suspended (action SuspendAtStepBoundary); also the breach's Event
+    ROLLOUT_INCONSISTENT: Final = "RolloutInconsistent"
 
     # Events only.
     CREATED_META_STORE: Final = "CreatedMetaStore"
@@ -202,3 +212,5 @@ IPC_PREFLIGHT_FAILURES: Final = frozenset(
         Reason.PEER_TIMEOUT,
     }
 )
+# RolloutConsistent=False with one of these is a breach (the action applies); NoData is not.
+ROLLOUT_BREACHES: Final = frozenset({Reason.KL_OVER_THRESHOLD, Reason.KL_OVER_BASELINE})

@@ -17,7 +17,7 @@ from typing import Any
 from colocate_operator import conditions, disruption, gang, gpus, kueue, metastore, names, pods, steps
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
-from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Phase, Reason
+from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, ROLLOUT_BREACHES, Cond, Phase, Reason
 from colocate_operator.observed import ClaimState, CreateRefusal, Observed, PodState, child_key
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import final_failure, final_step_recorded
@@ -234,6 +234,8 @@ def decide(
     # Kueue: no pods before its admission (hold); its eviction stops them through the suspend path.
     kueue_stop, kueue_hold = _kueue_admission(p, current, new, phase)
     if spec.suspend or kueue_stop:
+        if spec.suspend and rollout_breach(job, status, "SuspendAtStepBoundary"):
+            p.suspended_by = Reason.ROLLOUT_INCONSISTENT  # the operator set spec.suspend (rollout_check.py)
         return _suspend(p, new, phase, creates, redis_restart)
     start = parse_time(status.get("startTime"))
     deadline = spec.run_policy.active_deadline_seconds
@@ -248,6 +250,9 @@ def decide(
     ipc_failure = ipc_preflight_failure(job, status)
     if ipc_failure is not None:
         return _fail(p, new, Reason.IPC_PREFLIGHT_FAILED, ipc_failure, creates)
+    drift = rollout_breach(job, status, "Fail")
+    if drift is not None:
+        return _fail(p, new, Reason.ROLLOUT_INCONSISTENT, drift, creates)
     p.condition(Cond.SUSPENDED, False, Reason.NOT_SUSPENDED)
     if phase == Phase.SUSPENDED and not observed.checkpoint_write_error:  # once, not per withdraw retried
         p.event("Normal", Reason.RESUMED, f"Resumed: recreating {p.n} pods")
@@ -559,6 +564,17 @@ def ipc_preflight_failure(job: ColocateJob, status: dict[str, Any]) -> str | Non
     if not found or found.get("status") != "False" or found.get("reason") not in IPC_PREFLIGHT_FAILURES:
         return None
     return f"IPC preflight failed ({found.get('reason')}): {found.get('message') or 'no detail'}"
+
+
+def rollout_breach(job: ColocateJob, status: dict[str, Any], action: str) -> str | None:
+    """What breached, when spec.weightSync.rolloutConsistency.action is `action` and RolloutConsistent (the
+    step consumer's) says the last rollout report breached; else None. The message names the step and KL."""
+    if job.spec.weight_sync.rollout_consistency.action != action:
+        return None
+    found = conditions.find(status.get("conditions") or [], Cond.ROLLOUT_CONSISTENT)
+    if not found or found.get("status") != "False" or found.get("reason") not in ROLLOUT_BREACHES:
+        return None
+    return f"the engine's log-probs drifted from the trainer's: {found.get('message') or found.get('reason')}"
 
 
 def _engine_restarts(p: _Pass, new: dict[str, Any], current: list[PodState]) -> bool:

@@ -18,6 +18,30 @@ LAST_COMPLETED_STEP = Gauge(
 FAILED_STEPS = Counter(
     "colocate_failed_steps_total", "Weight-update steps that failed.", ["namespace", "job"]
 )
+ROLLOUT_KL = Gauge(
+    "colocate_rollout_kl",
+    "K3 KL of the engine's log-probs of its sampled tokens against the trainer's, last reported step.",
+    ["namespace", "job"],
+)
+ROLLOUT_KL_BASELINE = Gauge(
+    "colocate_rollout_kl_baseline",
+    "Rolling baseline of the rollout KL (healthy steps).",
+    ["namespace", "job"],
+)
+ROLLOUT_LOGP_DIFF_MEAN = Gauge(
+    "colocate_rollout_logp_diff_mean", "Mean absolute log-prob difference, last step.", ["namespace", "job"]
+)
+ROLLOUT_LOGP_DIFF_MAX = Gauge(
+    "colocate_rollout_logp_diff_max", "Largest absolute log-prob difference, last step.", ["namespace", "job"]
+)
+ROLLOUT_CONSISTENT = Gauge(
+    "colocate_rollout_consistent",
+    "1 while the last rollout report is within spec.weightSync.rolloutConsistency, else 0.",
+    ["namespace", "job"],
+)
+ROLLOUT_BREACHES = Counter(
+    "colocate_rollout_breaches_total", "Rollout consistency breaches (each one Event).", ["namespace", "job"]
+)
 RESTARTS = Gauge("colocate_job_restarts", "Whole-group restarts of a job so far.", ["namespace", "job"])
 RECONCILE_ERRORS = Counter("colocate_reconcile_errors_total", "Reconcile passes that raised an error.")
 STATUS_WRITES = Counter("colocate_status_writes_total", "Status patches written.", ["writer"])
@@ -29,6 +53,17 @@ def serve(port: int) -> None:
 
 def forget_job(namespace: str, job: str) -> None:
     """Drop a deleted job's series so the registry does not grow with every job ever seen."""
-    for metric in (SYNC_SECONDS, LAST_COMPLETED_STEP, FAILED_STEPS, RESTARTS):
+    for metric in (
+        SYNC_SECONDS,
+        LAST_COMPLETED_STEP,
+        FAILED_STEPS,
+        RESTARTS,
+        ROLLOUT_KL,
+        ROLLOUT_KL_BASELINE,
+        ROLLOUT_LOGP_DIFF_MEAN,
+        ROLLOUT_LOGP_DIFF_MAX,
+        ROLLOUT_CONSISTENT,
+        ROLLOUT_BREACHES,
+    ):
         with contextlib.suppress(KeyError):
             metric.remove(namespace, job)

@@ -82,6 +82,21 @@ class IpcPreflightSpec(_Model):
     timeout_seconds: int = 60
 
 
+class RolloutConsistencySpec(_Model):
+    """When the engine's log-probs of its sampled tokens drift from the trainer's (the trainer's `rollout`
+    events, runtime/consistency.py): a step breaches when its K3 KL is over `kl_threshold`, or over
+    `baseline_factor` x the rolling baseline (the mean KL of the last `baseline_steps` healthy steps, once
+    `baseline_min_steps` of them exist) and over `baseline_floor` (differences in the last digits of tiny KLs
+    are noise, not drift)."""
+
+    kl_threshold: float = 0.01
+    baseline_factor: float = 2.0
+    baseline_steps: int = 50
+    baseline_min_steps: int = 10
+    baseline_floor: float = 0.001
+    action: Literal["Report", "SuspendAtStepBoundary", "Fail"] = "Report"
+
+
 class WeightSyncSpec(_Model):
     transport: Literal["CudaIPC"] = "CudaIPC"
     bucket_mb: int = Field(1024, alias="bucketMB")
@@ -90,6 +105,7 @@ class WeightSyncSpec(_Model):
     verify: Literal["None", "SampledChecksum"] = "None"
     history_limit: int = 10
     ipc_preflight: IpcPreflightSpec = IpcPreflightSpec()
+    rollout_consistency: RolloutConsistencySpec = RolloutConsistencySpec()
 
 
 class SecretKeyRef(_Model):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from colocate_operator.constants import Cond
@@ -33,6 +33,7 @@ CONDITION_OWNERS: dict[str, Owner] = {
     Cond.WEIGHT_SYNC_HEALTHY: Owner.STEPS,
     Cond.PROGRESSING: Owner.STEPS,
     Cond.IPC_READY: Owner.STEPS,
+    Cond.ROLLOUT_CONSISTENT: Owner.STEPS,
 }
 
 
@@ -100,6 +101,27 @@ class StepRecordStatus(_Model):
     message: str | None = None
 
 
+class ConsistencyStatus(_Model):
+    """status.rollout.consistency: the trainer's last rollout report, the rolling baseline, the breaches."""
+
+    step: int
+    kl: float
+    logp_diff_mean: float
+    logp_diff_max: float
+    logp_over_fraction: float
+    logp_threshold: float
+    tokens: int
+    baseline_kl: float | None = Field(None, alias="baselineKL")
+    baseline_steps: int = 0
+    breaches: int = 0
+    last_breach_step: int | None = None
+    last_breach: str | None = None
+
+
+class RolloutStatus(_Model):
+    consistency: ConsistencyStatus | None = None
+
+
 R, S = Owner.RECONCILER, Owner.STEPS
 
 
@@ -121,6 +143,7 @@ class JobStatus(_Model):
     conditions: Annotated[tuple[ConditionStatus, ...], R, S] = ()  # each type has one owner
     weight_sync: Annotated[WeightSyncStatus | None, S] = None
     recent_steps: Annotated[tuple[StepRecordStatus, ...] | None, S] = None
+    rollout: Annotated[RolloutStatus | None, S] = None
 
     @classmethod
     def of(cls, status: Mapping[str, Any] | None) -> JobStatus:
@@ -164,9 +187,10 @@ def step_patch(
     weight_sync: WeightSyncStatus,
     recent_steps: tuple[StepRecordStatus, ...],
     conditions: list[dict[str, Any]],
+    rollout: RolloutStatus | None = None,
 ) -> dict[str, Any]:
     """The step follower's part of status, every key it owns (`conditions` already merged)."""
-    part = JobStatus(weight_sync=weight_sync, recent_steps=recent_steps).model_dump(
+    part = JobStatus(weight_sync=weight_sync, recent_steps=recent_steps, rollout=rollout).model_dump(
         mode="json", by_alias=True, exclude_none=True, include=set(_STEP_FIELDS) - {"conditions"}
     )
     return {**part, _alias("conditions"): conditions}
@@ -209,6 +233,13 @@ class StatusView:
         if weight_sync.get(WeightSyncStatus.model_fields["final_result"].alias) != "Failed":
             return None
         return weight_sync.get(WeightSyncStatus.model_fields["final_message"].alias) or "no message"
+
+    @property
+    def rollout_breaches(self) -> int:
+        """Breaches status.rollout.consistency counted (a restarted follower posts none of them again)."""
+        rollout = self.raw.get(_alias("rollout")) or {}
+        consistency = rollout.get("consistency") or {}
+        return int(consistency.get(ConsistencyStatus.model_fields["breaches"].alias) or 0)
 
     def condition(self, type_: str) -> Mapping[str, Any] | None:
         return next((c for c in self.raw.get(_alias("conditions")) or () if c.get("type") == type_), None)

@@ -6,6 +6,12 @@ trainer process starts its own incarnation (`gen`), so incarnations are compared
 incarnation on the same GPU are stale, and a newer one drops that GPU's half-finished steps. Success of the
 whole job needs the trainer's `final` record, never exit codes alone.
 
+The trainer's `rollout` events (one per step: the engine's log-probs of its sampled tokens against the
+trainer's, runtime/consistency.py) fold into `status.rollout.consistency` and the RolloutConsistent condition
+(`RolloutFold`): each report is judged against spec.weightSync.rolloutConsistency, healthy ones feed the
+rolling baseline, and a breach that follows a healthy report (or comes from a new trainer incarnation) starts
+a new breach, which is reported once (the follower's Event and the action).
+
 The trainers' `preflight` events (the runtime's IPC preflight, one per GPU and incarnation) make the IPCReady
 condition: True once every GPU of the job passed in its newest incarnation, False with a failing GPU's
 reason, else False/PreflightPending. Jobs whose runtime runs no preflight get no IPCReady condition.
@@ -18,13 +24,15 @@ was let go. Status messages are cut to what the CRD admits.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from colocate_operator.conditions import Condition
 from colocate_operator.constants import IPC_PREFLIGHT_FAILURES, Cond, Reason
-from colocate_operator.status import StepRecordStatus, WeightSyncStatus
-from colocate_runtime.contract.events import StepEvent
+from colocate_operator.spec import RolloutConsistencySpec
+from colocate_operator.status import ConsistencyStatus, RolloutStatus, StepRecordStatus, WeightSyncStatus
+from colocate_runtime.contract.events import RolloutFigures, StepEvent
 
 # What `kubectl get` shows while a step moves through the runtime (status.weightSync.currentPhase).
 PHASE_NAMES = {
@@ -38,6 +46,7 @@ PHASE_NAMES = {
     "failed": "Failed",
     "final": "Done",
     "preflight": "Preflight",
+    "rollout": "Rollout",
 }
 
 
@@ -88,6 +97,117 @@ class PreflightOutcome:
     ts: float = 0.0
 
 
+NO_DATA_STEPS = 5  # steps completed past the last rollout report before RolloutConsistent says NoData
+
+
+@dataclass(frozen=True)
+class Breach:
+    """One report over the bounds: its step, the reason (ROLLOUT_BREACHES) and the words status carries."""
+
+    step: int
+    reason: str
+    message: str
+
+
+@dataclass
+class RolloutFold:
+    """The trainer's rollout reports, judged one by one. State is bounded by spec.baselineSteps."""
+
+    policy: RolloutConsistencySpec = field(default_factory=RolloutConsistencySpec)
+    step: int | None = None
+    gen: int | None = None
+    last: RolloutFigures | None = None
+    breach: Breach | None = None  # the last report's, when it breached
+    last_breach: Breach | None = None  # the newest breach, kept after healthy reports
+    breaches: int = 0  # breaches started (a run of breaching reports is one)
+    reported: int = 0  # of those, how many the follower posted an Event (and acted) for
+    _healthy: deque[float] = field(default_factory=deque)
+
+    def observe(self, event: StepEvent) -> bool:
+        """True when the report was taken (a status write is due)."""
+        figures = event.rollout
+        if figures is None or (self.step is not None and event.step <= self.step and event.gen == self.gen):
+            return False  # a repeated or older report of the same trainer
+        new_trainer = event.gen != self.gen
+        self.step, self.gen, self.last = event.step, event.gen, figures
+        baseline = self.baseline()
+        breach = self._judge(event.step, figures, baseline)
+        if breach is None:
+            self._healthy.append(figures.kl)
+            while len(self._healthy) > self.policy.baseline_steps:
+                self._healthy.popleft()
+        elif self.breach is None or new_trainer:
+            self.breaches += 1
+        self.breach = breach
+        self.last_breach = breach or self.last_breach
+        return True
+
+    def baseline(self) -> float | None:
+        if len(self._healthy) < min(self.policy.baseline_min_steps, self.policy.baseline_steps):
+            return None
+        return sum(self._healthy) / len(self._healthy)
+
+    def _judge(self, step: int, f: RolloutFigures, baseline: float | None) -> Breach | None:
+        p = self.policy
+        detail = (
+            f"|delta logp| mean {f.diff_mean:.4g}, max {f.diff_max:.4g}, {100 * f.over_fraction:.3g}% of "
+            f"{f.tokens} tokens over {f.threshold:g}"
+        )
+        if f.kl > p.kl_threshold:
+            message = f"step {step}: KL {f.kl:.4g} is over klThreshold {p.kl_threshold:g} ({detail})"
+            return Breach(step, Reason.KL_OVER_THRESHOLD, message)
+        if baseline is not None and f.kl > p.baseline_factor * baseline and f.kl > p.baseline_floor:
+            message = (
+                f"step {step}: KL {f.kl:.4g} is over {p.baseline_factor:g} x the rolling baseline "
+                f"{baseline:.4g} ({len(self._healthy)} steps; {detail})"
+            )
+            return Breach(step, Reason.KL_OVER_BASELINE, message)
+        return None
+
+    def condition(self, last_completed_step: int | None) -> Condition | None:
+        """RolloutConsistent; None until the first report (a trainer that never reports has none)."""
+        if self.last is None or self.step is None:
+            return None
+        if self.breach is not None:
+            return Condition(Cond.ROLLOUT_CONSISTENT, False, self.breach.reason, self.breach.message)
+        if last_completed_step is not None and last_completed_step - self.step > NO_DATA_STEPS:
+            return Condition(
+                Cond.ROLLOUT_CONSISTENT,
+                False,
+                Reason.NO_DATA,
+                f"the last rollout report is of step {self.step}; step {last_completed_step} completed since",
+            )
+        baseline = self.baseline()
+        against = f"baseline {baseline:.4g}" if baseline is not None else "no baseline yet"
+        return Condition(
+            Cond.ROLLOUT_CONSISTENT,
+            True,
+            Reason.KL_WITHIN_BOUNDS,
+            f"step {self.step}: KL {self.last.kl:.4g} ({against}; klThreshold {self.policy.kl_threshold:g})",
+        )
+
+    def status(self) -> RolloutStatus | None:
+        if self.last is None or self.step is None:
+            return None
+        f, newest = self.last, self.last_breach
+        return RolloutStatus(
+            consistency=ConsistencyStatus(
+                step=self.step,
+                kl=f.kl,
+                logp_diff_mean=f.diff_mean,
+                logp_diff_max=f.diff_max,
+                logp_over_fraction=f.over_fraction,
+                logp_threshold=f.threshold,
+                tokens=f.tokens,
+                baseline_kl=self.baseline(),
+                baseline_steps=len(self._healthy),
+                breaches=self.breaches,
+                last_breach_step=newest.step if newest else None,
+                last_breach=newest.message[:MESSAGE_MAX_CHARS] if newest else None,
+            )
+        )
+
+
 @dataclass
 class StepTracker:
     """One job's weight-sync progress. `observe` returns True when the event crossed a step boundary, i.e.
@@ -112,6 +232,7 @@ class StepTracker:
     _preflight: dict[str, PreflightOutcome] = field(default_factory=dict)  # GPU -> newest preflight news
     _ipc_key: tuple[bool, str] | None = None  # IPCReady (status, reason) after the last preflight event
     dropped: int = 0  # GPUs and steps let go to keep the state bounded (the follower reports them)
+    rollout: RolloutFold = field(default_factory=RolloutFold)
 
     def observe(self, event: StepEvent) -> bool:
         gpu = event.gpu or f"rank-{event.rank}"
@@ -130,6 +251,8 @@ class StepTracker:
             return False
         if event.phase == "preflight":
             return self._preflight_event(gpu, event)
+        if event.phase == "rollout":
+            return self.rollout.observe(event)
         if event.phase == "final":  # one trainer rank's failure fails the run; success needs no failure
             if event.result != "ok":
                 if self.final_result != "Failed":
@@ -297,11 +420,14 @@ def _version_key(version: str) -> tuple[int, int, str]:
 
 
 def step_conditions(tracker: StepTracker, stalled: bool, deadline_seconds: float) -> list[Condition]:
-    """WeightSyncHealthy, Progressing and IPCReady: the conditions the step consumer owns."""
+    """WeightSyncHealthy, Progressing, IPCReady and RolloutConsistent: the step consumer's conditions."""
     updates: list[Condition] = []
     ipc = tracker.ipc_ready()
     if ipc is not None:
         updates.append(ipc)
+    consistent = tracker.rollout.condition(tracker.last_completed_step)
+    if consistent is not None:
+        updates.append(consistent)
     if tracker.last_failure is not None:
         failure = tracker.last_failure
         updates.append(

@@ -41,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 from urllib3.exceptions import HTTPError
 
-from colocate_operator import conditions, kube, metrics, names
+from colocate_operator import conditions, kube, metrics, names, rollout_check
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import GROUP, PLURAL, VERSION, Phase
@@ -51,7 +51,13 @@ from colocate_operator.metastore import MetaStoreEndpoint, endpoint
 from colocate_operator.observed import StreamProgress
 from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
-from colocate_operator.status import StatusView, StepRecordStatus, WeightSyncStatus, step_patch
+from colocate_operator.status import (
+    RolloutStatus,
+    StatusView,
+    StepRecordStatus,
+    WeightSyncStatus,
+    step_patch,
+)
 from colocate_operator.steps import StepRecord, StepTracker, step_conditions
 from colocate_runtime.contract.events import (
     ENTRY_MAX_FIELDS,
@@ -222,6 +228,7 @@ class StepSnapshot:
     stalled: bool
     boundaries: int  # the follow's boundary count when taken
     newest: StepRecord | None
+    rollout: RolloutStatus | None = None  # status.rollout (rollout_check.py)
 
     @classmethod
     def of(cls, tracker: StepTracker, stalled: bool, deadline: float, boundaries: int) -> StepSnapshot:
@@ -233,6 +240,7 @@ class StepSnapshot:
             stalled,
             boundaries,
             tracker.recent[-1] if tracker.recent else None,
+            tracker.rollout.status(),
         )
 
 
@@ -282,7 +290,7 @@ def write_status(
         )
         patch = {
             "metadata": {"resourceVersion": view.resource_version},
-            "status": step_patch(snapshot.weight_sync, snapshot.recent_steps, merged),
+            "status": step_patch(snapshot.weight_sync, snapshot.recent_steps, merged, snapshot.rollout),
         }
         try:
             written = api.patch(kube.COLOCATE_JOBS, namespace, name, patch, subresource="status")
@@ -811,6 +819,7 @@ async def _follow(
     sync, world_size = job.spec.weight_sync, job.spec.world_size
     del job
     tracker = StepTracker(expected_gpus=world_size, history_limit=sync.history_limit)
+    tracker.rollout = rollout_check.fold_for(sync.rollout_consistency, body)
     tracker.last_progress_ts = time.time()  # the progress deadline counts from when we start watching
     if on_tracker is not None:
         on_tracker(tracker)
@@ -975,6 +984,7 @@ async def _maybe_write(
     writes.boundaries, writes.last_write = snapshot.boundaries, now
     writes.written_phase, writes.written_stalled = snapshot.phase, stalled
     await readers.call(_post_step_events, api, body, snapshot.newest, writes, newly_stalled, now)
+    await rollout_check.after_write(readers.call, api, body, state.tracker.rollout)
 
 
 def _write_wanted(state: _Follow, writes: _Writes, deadline: float, now: float) -> bool:

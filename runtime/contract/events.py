@@ -28,6 +28,18 @@ preflight events carry it, and a decoder must accept entries without it):
 | `reason` | optional, `preflight` only: the CamelCase outcome (`PREFLIGHT_REASONS`), absent when empty |
 | `ts` | wall-clock time of the event, Unix seconds |
 
+A `rollout` event (trainer, once per step: runtime/consistency.py) also carries these, all or none; other
+phases carry none of them:
+
+| field | meaning |
+|---|---|
+| `kl` | K3 estimate of KL(engine ‖ trainer) over the step's sampled tokens, mean per token (>= 0) |
+| `logp_diff_mean` | mean over the tokens of abs(trainer log-prob - engine log-prob) |
+| `logp_diff_max` | the largest of them |
+| `logp_over` | fraction of the tokens whose difference is over `logp_threshold`, in [0, 1] |
+| `logp_threshold` | that threshold (nats) |
+| `tokens` | tokens compared (over every data-parallel rank) |
+
 Phases, in order. Trainer: `published` (manifest and handles written; `seconds` covers packing and
 publishing), `acked` (ACK received; `seconds` = wait), `freed` (buckets returned), `finished`. Reader:
 `opened`, `copied`, `closed` (verified forced IPC close), `acked`, `finished`. The trainer writes
@@ -37,6 +49,12 @@ not write, or that does not decode; the step goes on waiting. Either side: `fail
 `final=true`, `step` = last step, `result` = `ok` or `error`: success of the job needs this record, not exit
 codes.
 
+Where the trainer compares the engine's log-probs of the tokens it sampled with its own
+(runtime/consistency.py, `Publisher.report_rollout`), it writes one `phase=rollout` record per step with
+`result=ok` and the figures above: `step` is the training step whose rollouts were compared (they were
+generated from the weights the previous `update` installed). The operator folds them into
+`status.rollout.consistency`.
+
 Before its first step each trainer process runs the IPC preflight on its GPU (preflight.py):
 `phase=preflight`, `step=0`, `gen` = the incarnation. The trainer writes one with an empty `result` when an
 attempt starts and one with `result=ok` (`reason=PreflightPassed`) or `result=error` and a failure `reason`
@@ -44,7 +62,8 @@ when it ends; the reader side writes one with its own verdict. A pass holds for 
 
 Readers treat entries as untrusted (any container of the job can write them): `decode` refuses an entry with
 more than 32 fields, a key or value over 1024 bytes, bytes that are not UTF-8, `gpu` or `weight_version` over
-128 characters, counts outside [0, 2**62) or non-finite numbers, always with an `EventError`.
+128 characters, counts outside [0, 2**62), non-finite numbers, a `rollout` record without its figures (or
+figures out of their ranges, or on another phase), always with an `EventError`.
 
 Writers make events through one `EventSource` (their role, replica, rank and GPU) so that no two assemble
 them differently.
@@ -87,6 +106,7 @@ PHASES = (
     "final",
     "preflight",
     "ack_rejected",  # trainer: an ACK not from the step's claimant (or not decodable) was refused
+    "rollout",  # trainer: the engine's log-probs against the trainer's for the step (RolloutFigures)
 )
 RESULTS = ("", "ok", "error", "aborted", "timeout", "peer_lost", "metastore_lost")
 
@@ -112,6 +132,46 @@ PREFLIGHT_REASONS = (PREFLIGHT_PASSED, *PREFLIGHT_FAILURES)
 
 class EventError(ValueError):
     """A stream entry that does not decode as a step event."""
+
+
+# The stream fields of a rollout record (module docstring), in RolloutFigures' order.
+ROLLOUT_FIELDS = ("kl", "logp_diff_mean", "logp_diff_max", "logp_over", "logp_threshold", "tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutFigures:
+    """One step's log-prob agreement between the engine that sampled and the trainer (computed by
+    runtime/consistency.py): K3 KL, |delta logp| mean and max, the fraction of tokens over `threshold`, and
+    the tokens compared."""
+
+    kl: float
+    diff_mean: float
+    diff_max: float
+    over_fraction: float
+    threshold: float
+    tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("kl", "diff_mean", "diff_max", "threshold"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise EventError(f"rollout {name} {_short(value)} is not a finite number >= 0")
+        if not (0.0 <= self.over_fraction <= 1.0):
+            raise EventError(f"rollout over_fraction {_short(self.over_fraction)} is not in [0, 1]")
+        if not 0 <= self.tokens < NUMBER_MAX:
+            raise EventError(f"rollout tokens {_short(self.tokens)} is not a count in [0, 2**62)")
+
+    def fields(self) -> dict[str, str]:
+        values = (self.kl, self.diff_mean, self.diff_max, self.over_fraction, self.threshold)
+        return {
+            **{key: repr(float(v)) for key, v in zip(ROLLOUT_FIELDS, values, strict=False)},
+            "tokens": str(self.tokens),
+        }
+
+    @classmethod
+    def of_fields(cls, f: Mapping[str, str]) -> RolloutFigures:
+        kl, mean, most, over, threshold = (_finite(f[key]) for key in ROLLOUT_FIELDS[:5])
+        return cls(kl, mean, most, over, threshold, _count(f["tokens"]))
 
 
 # The trainer's final record also goes to its container's termination message, which Kubernetes keeps in the
@@ -159,6 +219,7 @@ class StepEvent:
     error: str = ""
     ts: float = 0.0
     reason: str = ""  # preflight events only (PREFLIGHT_REASONS)
+    rollout: RolloutFigures | None = None  # rollout events only, and always on them
 
     def __post_init__(self) -> None:
         if self.role not in ("trainer", "reader"):
@@ -169,6 +230,8 @@ class StepEvent:
             raise EventError(f"result {self.result!r} is not one of {RESULTS}")
         if self.reason and self.reason not in PREFLIGHT_REASONS:
             raise EventError(f"reason {self.reason!r} is not one of {PREFLIGHT_REASONS}")
+        if (self.rollout is None) == (self.phase == "rollout"):
+            raise EventError("a rollout event carries its figures (kl, logp_diff_*, tokens); no other does")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +259,7 @@ class EventSource:
         final: bool = False,
         error: str = "",
         reason: str = "",
+        rollout: RolloutFigures | None = None,
     ) -> StepEvent:
         return StepEvent(
             role=self.role,
@@ -214,7 +278,12 @@ class EventSource:
             final=final,
             error=error,
             reason=reason,
+            rollout=rollout,
         )
+
+    def rollout(self, gen: int, step: int, figures: RolloutFigures) -> StepEvent:
+        """One step's log-prob agreement record (module docstring)."""
+        return self.event(gen, step, "rollout", result="ok", rollout=figures)
 
     def preflight(
         self,
@@ -266,6 +335,8 @@ def encode(event: StepEvent, *, now: float | None = None) -> dict[str, str]:
     }
     if event.reason:  # optional: entries without it stay byte-for-byte what older writers produced
         fields["reason"] = event.reason
+    if event.rollout is not None:
+        fields.update(event.rollout.fields())
     return fields
 
 
@@ -325,6 +396,7 @@ def decode(fields: Mapping[Any, Any] | Sequence[Any]) -> StepEvent:
             error=f.get("error", "")[:ERROR_MAX_CHARS],
             ts=_finite(f.get("ts") or "0"),
             reason=f.get("reason", ""),
+            rollout=RolloutFigures.of_fields(f) if "kl" in f else None,
         )
     except EventError:
         raise

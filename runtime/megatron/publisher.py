@@ -7,6 +7,7 @@
         publisher.before_training()         # pause SGLang and release its GPU memory
         train_step(...)                     # forward, backward, optimizer.step()
         publisher.update(step)              # publish, install, every rank agrees on the outcome
+        publisher.report_rollout(step, trainer_logprobs, engine_logprobs)  # optional: drift, to the operator
     publisher.finish()                      # the operator's proof that training succeeded
 
 What it does for the trainer: reads Megatron's parallel state (TP, PP and virtual PP, EP, expert TP) and what
@@ -30,13 +31,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from colocate_runtime import consistency
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.inplace import InPlaceLayout
+from colocate_runtime.colocated.metastore import MetaStoreError
 from colocate_runtime.colocated.outcome import StepReport
 from colocate_runtime.colocated.repush import EngineWatch
 from colocate_runtime.colocated.wiring import new_writer
 from colocate_runtime.colocated.writer import PendingStep, WeightWriter
+from colocate_runtime.contract.events import RolloutFigures
 from colocate_runtime.convert.hf_config import dtype_name
 from colocate_runtime.convert.published import TrainerRecord, dims_of
 from colocate_runtime.convert.registry import model_spec
@@ -365,6 +370,38 @@ class Publisher:
         except Exception as err:
             log.info("publisher: step %d settled after a failure: %s", pending.step, err)
 
+    # --- rollout consistency ------------------------------------------------------------------------------
+
+    def report_rollout(
+        self,
+        step: int,
+        trainer_logprobs: torch.Tensor,
+        engine_logprobs: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        threshold: float = consistency.DEFAULT_THRESHOLD,
+        group: Any = None,
+    ) -> RolloutFigures:
+        """Collective over the data-parallel group: every rank that holds the step's log-probs (Megatron's
+        last pipeline stage; each tensor parallel rank of it) passes its share of the sampled tokens, its own
+        log-probs and the engine's of the same tokens (same shape; `mask` keeps the ones to compare, e.g. the
+        completion without padding). The sums go over `group` (default: Megatron's data-parallel group with
+        context parallel; the whole world where Megatron is not initialized); one rank writes the step's
+        `rollout` event for the operator (status.rollout.consistency). Returns the reduced figures (every
+        rank of the group the same); runtime/consistency.py says what they are."""
+        sums, maxima = consistency.partial(trainer_logprobs, engine_logprobs, mask, threshold)
+        group = _data_parallel_group() if group is None else group
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        figures = consistency.figures(sums, maxima, threshold)
+        if self.writer is not None and self.writer.gen is not None and _writes_rollout(group):
+            try:
+                self.writer.store.emit(self.writer.source.rollout(self.writer.gen, step, figures))
+            except MetaStoreError as err:  # a lost report never stops training (as with step events)
+                log.warning("publisher: the rollout figures of step %d were not recorded: %s", step, err)
+        return figures
+
     # --- end ----------------------------------------------------------------------------------------------
 
     def finish(self, *, ok: bool = True, error: str = "") -> None:
@@ -377,6 +414,31 @@ class Publisher:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _megatron_state() -> Any:
+    """megatron-core's parallel_state when it is initialized, else None."""
+    try:
+        from megatron.core import parallel_state as ps  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return ps if ps.model_parallel_is_initialized() else None
+
+
+def _data_parallel_group() -> Any:
+    ps = _megatron_state()
+    return None if ps is None else ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def _writes_rollout(group: Any) -> bool:
+    """One writer per step: rank 0 of the data-parallel group on tensor parallel rank 0 (of the last
+    pipeline stage, the only one holding log-probs); without torch.distributed, the process itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if dist.get_rank(group) != 0:
+        return False
+    ps = _megatron_state()
+    return ps is None or ps.get_tensor_model_parallel_rank() == 0
 
 
 def storages_moved(where: Mapping[int, tuple[torch.Tensor, int]]) -> bool:

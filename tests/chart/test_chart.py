@@ -151,7 +151,7 @@ def test_metrics_are_open_only_to_the_listed_peers(cluster: Cluster) -> None:
 
 # Every verb the operator uses and nothing more (H2, M1); the integration suite runs the operator under these.
 OPERATOR_RULES = {
-    ("colocate.dev", "colocatejobs"): {"get", "list", "watch", "delete"},
+    ("colocate.dev", "colocatejobs"): {"get", "list", "watch", "delete", "patch"},
     ("colocate.dev", "colocatejobs/status"): {"patch"},
     ("colocate.dev", "colocatejobs/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},

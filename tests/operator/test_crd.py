@@ -63,7 +63,8 @@ def test_every_field_is_documented(version: dict[str, Any]) -> None:
 
 def test_printer_columns(version: dict[str, Any]) -> None:
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Step", "Ready", "Restarts", "Age"]
+    assert list(columns) == ["Phase", "Step", "Ready", "Restarts", "KL", "Consistent", "Age"]
+    assert columns["Consistent"] == '.status.conditions[?(@.type=="RolloutConsistent")].status'
     assert columns["Step"] == ".status.weightSync.lastCompletedStep"
     assert columns["Phase"] == ".status.phase"
     assert columns["Restarts"] == ".status.restarts"

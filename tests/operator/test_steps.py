@@ -22,7 +22,9 @@ def recent_steps(tracker: StepTracker) -> list[dict[str, Any]]:
 
 
 def written(tracker: StepTracker) -> dict[str, Any]:
-    return step_patch(tracker.weight_sync_status(), tracker.recent_steps_status(), [])
+    return step_patch(
+        tracker.weight_sync_status(), tracker.recent_steps_status(), [], tracker.rollout.status()
+    )
 
 
 def finished(
@@ -289,6 +291,8 @@ def test_the_follower_writes_only_the_keys_and_conditions_it_owns() -> None:
     tracker = StepTracker(expected_gpus=1)
     tracker.observe(StepEvent(role="trainer", gen=1, step=0, phase="preflight", result="ok"))
     tracker.observe(finished(1, "g"))
+    figures = ev.RolloutFigures(0.001, 0.01, 0.2, 0.0, 0.5, 64)
+    tracker.observe(StepEvent(role="trainer", gen=1, step=1, phase="rollout", result="ok", rollout=figures))
     tracker.observe(StepEvent(role="trainer", gen=1, step=1, phase="final", result="ok", final=True))
     assert set(written(tracker)) == set(STEP_KEYS)
     for stalled in (False, True):

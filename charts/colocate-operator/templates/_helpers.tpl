@@ -59,7 +59,8 @@ path. A name is fully qualified when it ends with a dot, or has three labels or 
 
 {{/* Every verb the operator uses in a namespace it manages, and nothing else (the integration suite runs the
 operator under exactly these rules, so a missing verb fails a test):
-- colocatejobs: get (each pass), list/watch (kopf), delete (ttlSecondsAfterFinished); status: patch;
+- colocatejobs: get (each pass), list/watch (kopf), delete (ttlSecondsAfterFinished), patch (spec.suspend,
+  only on a rollout consistency breach of a job whose action is SuspendAtStepBoundary); status: patch;
   finalizers: update, because children set blockOwnerDeletion (OwnerReferencesPermissionEnforcement).
 - pods: list (each pass), list/watch (kopf), get (a pod name held by another object, read back), create,
   delete (group restarts, suspend, a pod stuck on a lost node).
@@ -73,7 +74,7 @@ The step follower reads the password Secret of the jobs' meta-stores: that is th
 {{- define "colocate-operator.rules" -}}
 - apiGroups: [colocate.dev]
   resources: [colocatejobs]
-  verbs: [get, list, watch, delete]
+  verbs: [get, list, watch, delete, patch]
 - apiGroups: [colocate.dev]
   resources: [colocatejobs/status]
   verbs: [patch]
