@@ -28,11 +28,14 @@ timed steps (after one warm-up); one JSON line per preset and mode goes to bench
     python bench/step_bench.py --preset qwen3-30b-a3b qwen3-30b-a3b-tp2ep8 qwen3-8b   # on an H200
     python bench/step_bench.py --via publisher --modes kept --preset qwen3-30b-a3b    # through the facade
     python bench/step_bench.py --device cpu --preset tiny                             # smoke test
+    python bench/step_bench.py --digest both --modes kept --preset qwen3-8b --steps 11
+                                 # the weights check in every other step: its cost, as % of the step
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -302,6 +305,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     nbytes = sum(s.box.numel for s in tplan.shards()) * 2
     floor_s = flat_copy_seconds(nbytes, device)  # before either side holds the model: memory for the twin
     env = {**env_for(args, port, password, mode, shm), "COLOCATE_STEP_TIMEOUT_SECONDS": "600"}
+    env["COLOCATE_WEIGHT_DIGEST_PERIOD"] = str(args.digest_period)
     _, tensors, _ = megatron_rank(tplan, mode, device)
     reader = subprocess.Popen(
         [
@@ -342,6 +346,8 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             layout = publisher.layout  # compiled by the Publisher from the same tensors
         compile_s = time.perf_counter() - t0
         for step in range(1, args.steps + 1):
+            check = digest_runs(args.digest, step)  # the weights check, on or off for this step
+            writer.settings = dataclasses.replace(writer.settings, digest_period=args.digest_period * check)
             next(iter(tensors.values())).view(torch.int16)[::4096].add_(step)  # the training step's writes
             sync(device)
             t0 = time.perf_counter()
@@ -362,7 +368,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
                 report = writer.wait_and_free(pending)
             published = published_by_step[step]  # waiting freed the step's buckets
             total = time.perf_counter() - t0
-            steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total})
+            steps.append({"convert": t_convert - t0, **report.phase_seconds, "total": total, "digest": check})
             ack = writer.store.read_ack(writer.gen, step, writer.uuid)  # outside the timed step
             kept = 0 if ack is None else len(ack.kept)
             opened_kept = 0 if ack is None else len(set(ack.kept) & set(ack.opened or ()))
@@ -391,6 +397,10 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     missing = sorted(set(want) - set(result["digests"]))
     timed = steps[1:] or steps
     reader_timed = result["reader"][1:] or result["reader"]
+    unchecked = [r for r in timed if not r["digest"]]  # --digest both: the steps without the check
+    if args.digest == "both":
+        timed = [r for r in timed if r["digest"]]
+        reader_timed = [r for r in reader_timed if "digest" in r]
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows) * 1e3
@@ -413,11 +423,25 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             "copy": med(reader_timed, "copy"),
             "close": med(reader_timed, "close"),
             "verify": med(reader_timed, "verify"),
+            "digest": med(reader_timed, "digest"),
             "ack": med(reader_timed, "ack"),
             "wait_ack": med(timed, "wait_ack"),
             "free": med(timed, "free"),
         },
         "compile_s": compile_s,
+        # The weights check (runtime/colocated/digest.py) ran in the steps of "ms"; with --digest both, the
+        # steps in between ran without it: its cost is the difference of the medians.
+        "digest": args.digest != "off",
+        "digest_period": args.digest_period,
+        **(
+            {
+                "digest_off_ms": med(unchecked, "total"),
+                "digest_cost_ms": med(timed, "total") - med(unchecked, "total"),
+                "digest_cost_pct": 100 * (med(timed, "total") / med(unchecked, "total") - 1),
+            }
+            if args.digest == "both" and unchecked
+            else {}
+        ),
         "handles": adopted,
         "kept": kept,  # buckets the reader still maps after the last step (kept mode)
         # kept mode: steps that published the previous step's exports again (kept.py: read through the
@@ -433,6 +457,12 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         "missing": missing[:5],
         "steps": args.steps,
     }
+
+
+def digest_runs(setting: str, step: int) -> bool:
+    """Whether the weights check runs in `step`: always, never, or (both) in odd steps only, so that the
+    steps with and without it interleave in one run (the first, untimed step checks: it compiles)."""
+    return setting == "on" or (setting == "both" and step % 2 == 1)
 
 
 def _share(descriptor: dict | None) -> tuple[object, ...]:
@@ -485,6 +515,13 @@ def main() -> None:
         default="writer",
         help="inplace/kept: call the writer, or go through colocate_runtime.megatron.Publisher",
     )
+    p.add_argument(
+        "--digest",
+        choices=("on", "off", "both"),
+        default="on",
+        help="the weights check of every step; both: in every other step, and its cost printed",
+    )
+    p.add_argument("--digest-period", type=int, default=1024, help="steps in which it covers every byte")
     args = p.parse_args()
     if args.role == "reader":
         run_reader(args)
@@ -519,6 +556,12 @@ def main() -> None:
             f" packed {r['packed_gb']:.2f} GB"
             f"  bitwise {'yes' if r['bitwise'] else 'NO ' + str(r['wrong'] + r['missing'])}"
         )
+        if "digest_cost_ms" in r:
+            print(
+                f"{'':<24}weights check (period {r['digest_period']}): {r['ms']:.2f} ms with, "
+                f"{r['digest_off_ms']:.2f} ms without: {r['digest_cost_ms']:+.3f} ms = "
+                f"{r['digest_cost_pct']:+.2f} % of the step"
+            )
     if not all(r["bitwise"] for r in rows):
         sys.exit("installed bytes differ from the reference conversion")
 

@@ -71,6 +71,7 @@ class ColocateConfig:
     ipc_preflight_timeout_s: float = float(env.IPC_PREFLIGHT_TIMEOUT_SECONDS.default)
     # Bounded: a worker side that never starts is an error; 0: forever.
     ipc_preflight_wait_s: float = float(env.IPC_PREFLIGHT_WAIT_SECONDS.default)
+    weight_digest_period: int = env.WEIGHT_DIGEST_PERIOD.default  # 0: no weights check (digest.py)
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -100,6 +101,10 @@ class ColocateConfig:
             raise ConfigError(
                 "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS must be positive and "
                 "COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS not negative"
+            )
+        if not 0 <= self.weight_digest_period <= 1 << 20:
+            raise ConfigError(
+                f"{env.WEIGHT_DIGEST_PERIOD.name}={self.weight_digest_period}: expected 0 (off) to {1 << 20}"
             )
         if self.key_ttl_s < self.ipc_preflight_timeout_s:
             raise ConfigError(
@@ -150,4 +155,5 @@ class ColocateConfig:
             ipc_preflight=read(env.IPC_PREFLIGHT),
             ipc_preflight_timeout_s=float(read(env.IPC_PREFLIGHT_TIMEOUT_SECONDS)),
             ipc_preflight_wait_s=float(read(env.IPC_PREFLIGHT_WAIT_SECONDS)),
+            weight_digest_period=read(env.WEIGHT_DIGEST_PERIOD),
         )

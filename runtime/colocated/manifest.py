@@ -50,6 +50,16 @@ class BucketRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightDigest:
+    """The trainer's weights check of one step (digest.py): every `period` steps cover every byte; `sums`
+    holds one little-endian uint32 per entry, in entry order."""
+
+    period: int
+    chunk: int
+    sums: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     job: str
     namespace: str
@@ -65,6 +75,7 @@ class Manifest:
     # Buckets the producer lets the reader keep mapped across steps: its own storage, which stays where it
     # is (the reader's KeptMappings). A reader that does not know the field maps and closes them per step.
     kept: tuple[int, ...] = ()
+    digest: WeightDigest | None = None  # None: the trainer runs no weights check (or an older trainer)
 
     @property
     def payload_bytes(self) -> int:
@@ -162,6 +173,11 @@ def _manifest_doc(m: Manifest) -> dict[str, Any]:
         ],
         "checksums": dict(m.checksums),
         **({"kept": list(m.kept)} if m.kept else {}),
+        **(
+            {"digest": {"period": m.digest.period, "chunk": m.digest.chunk, "sums": m.digest.sums}}
+            if m.digest is not None
+            else {}
+        ),
     }
 
 
@@ -260,6 +276,7 @@ def decode_manifest(
             entries=entries,
             checksums={str(k): str(v) for k, v in dict(doc.get("checksums") or {}).items()},
             kept=tuple(int(i) for i in doc.get("kept") or ()),
+            digest=_digest(doc.get("digest"), len(entries)),
         )
     except ManifestError:
         raise
@@ -346,6 +363,22 @@ def _decode_entries(cols: Any) -> tuple[PlacedEntry, ...]:
     return entries
 
 
+def _digest(raw: Any, entries: int) -> WeightDigest | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ManifestError("manifest digest is not a map")
+    period, chunk, sums = raw.get("period"), raw.get("chunk"), raw.get("sums")
+    if type(period) is not int or type(chunk) is not int or not isinstance(sums, bytes):
+        raise ManifestError("manifest digest needs integers period and chunk and bytes sums")
+    if not 1 <= period <= 1 << 20 or chunk not in (8, 16, 32, 64, 128) or len(sums) != 4 * entries:
+        raise ManifestError(
+            f"manifest digest (period {period}, chunk {chunk}, {len(sums)} bytes) does not fit its "
+            f"{entries} entries"
+        )
+    return WeightDigest(period, chunk, sums)
+
+
 def _view(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if not isinstance(value, list) or len(value) != 2:
         raise ManifestError(f"entry view {value!r} is not [shape, strides]")
@@ -403,6 +436,10 @@ class Ack:
     # Buckets of this step the reader still maps through its kept mappings, as the manifest allowed
     # (Manifest.kept): the step's own share of them is closed; the trainer's storage stays mapped.
     kept: tuple[int, ...] = ()
+    # The weights check (digest.py): entries compared (0: none, the manifest had no digest or the reader
+    # does not know it), and the parameters whose installed sample differs from the trainer's.
+    digest_checked: int = 0
+    digest_mismatches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in ("ok", "error"):
@@ -429,6 +466,12 @@ class Ack:
                 "opened": None if self.opened is None else list(self.opened),
                 "held": None if self.held is None else [list(h) for h in self.held],
                 **({"kept": list(self.kept)} if self.kept else {}),
+                **({"digest_checked": self.digest_checked} if self.digest_checked else {}),
+                **(
+                    {"digest_mismatches": list(self.digest_mismatches[:DIGEST_NAMES_MAX])}
+                    if self.digest_mismatches
+                    else {}
+                ),
             },
             separators=(",", ":"),
         )
@@ -455,6 +498,8 @@ class Ack:
                 opened=_ack_ints(d.get("opened"), "opened"),
                 held=_ack_held(d.get("held")),
                 kept=_ack_ints(d.get("kept"), "kept") or (),
+                digest_checked=int(d.get("digest_checked", 0)),
+                digest_mismatches=_ack_names(d.get("digest_mismatches")),
             )
         except ManifestError:
             raise
@@ -463,6 +508,15 @@ class Ack:
 
 
 _ACK_LIST_MAX = 4096  # more buckets or held steps than any real step has: a hostile ACK, refused
+DIGEST_NAMES_MAX = 64  # parameters an ACK names at most (its error says how many differ in all)
+
+
+def _ack_names(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > DIGEST_NAMES_MAX or not all(isinstance(x, str) for x in raw):
+        raise ManifestError("ACK field digest_mismatches is not a list of parameter names")
+    return tuple(raw)
 
 
 def _ack_ints(raw: Any, name: str) -> tuple[int, ...] | None:

@@ -55,6 +55,22 @@ class StepRejected(StepFailed):
     """The reader answered with an error (its message is included)."""
 
 
+class WeightsMismatch(StepRejected):
+    """The weights check (digest.py) found installed parameters that differ from what the trainer published;
+    `parameters` names them (at most the ACK's limit)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        parameters: tuple[str, ...] = (),
+        step: int | None = None,
+        freed: bool | None = None,
+    ) -> None:
+        super().__init__(message, step=step, freed=freed)
+        self.parameters = parameters
+
+
 class StaleStep(StepFailed):
     """A step not newer than the one the reader last applied: refused, so older weights never overwrite newer
     ones (nothing was opened; the trainer is told at once)."""

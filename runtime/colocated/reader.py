@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from colocate_runtime.colocated import checksum, fastcopy
+from colocate_runtime.colocated import checksum, digest, fastcopy
 from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.close import CloseError, CloseReport, ImportScope
 from colocate_runtime.colocated.config import ColocateConfig
@@ -42,7 +42,14 @@ from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.history import UpdateHistory, UpdateRecord
 from colocate_runtime.colocated.kept import KeptMappings
 from colocate_runtime.colocated.liveness import Heartbeat, PeerWatch, host_id
-from colocate_runtime.colocated.manifest import Ack, LayoutCache, Manifest, ManifestError, decode_manifest
+from colocate_runtime.colocated.manifest import (
+    DIGEST_NAMES_MAX,
+    Ack,
+    LayoutCache,
+    Manifest,
+    ManifestError,
+    decode_manifest,
+)
 from colocate_runtime.colocated.metastore import (
     MetaStore,
     MetaStoreError,
@@ -60,6 +67,7 @@ from colocate_runtime.colocated.outcome import (
     StepFailed,
     StepReport,
     StepTimedOut,
+    WeightsMismatch,
 )
 from colocate_runtime.colocated.reader_program import CopyProgram, ProgramCache, compile_program
 from colocate_runtime.colocated.transport import BucketImporter
@@ -171,6 +179,7 @@ class WeightReader:
         device = self._kernel_device()
         if device is not None:
             fastcopy.warm_up(device)  # compile now rather than in the first step
+            digest.warm_up(device)
         self._heartbeat = Heartbeat(
             self.store,
             "reader",
@@ -384,9 +393,12 @@ class WeightReader:
             for index in pending:
                 program.copy_bucket(index, scope.bucket)
             copied = self._copy_rest(manifest, program, scope)
+            d0 = time.perf_counter()
+            sums = self._digest_launch(manifest, program, scope)  # read before the close, checked below
+            digest_s = time.perf_counter() - d0
             self.importer.synchronize()  # the copy phase ends when the device is done with it
             seconds["open"] = open_s
-            seconds["copy"] = time.perf_counter() - t0 - open_s
+            seconds["copy"] = time.perf_counter() - t0 - open_s - digest_s
         except BaseException as err:
             # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
             traceback.clear_frames(err.__traceback__)
@@ -410,17 +422,27 @@ class WeightReader:
                 raise
             seconds["finalize"] = time.perf_counter() - t1
         t2 = time.perf_counter()
+        wrong: list[str] = []
+        if sums is not None and manifest.digest is not None:
+            wrong = digest.mismatches([e.name for e in manifest.entries], sums, manifest.digest.sums)
+            seconds["digest"] = digest_s + time.perf_counter() - t2
+        t2 = time.perf_counter()
         mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
         if manifest.checksums:
             seconds["verify"] = time.perf_counter() - t2
+        error = _digest_error(step, wrong) if wrong else ""
+        if mismatches and not wrong:
+            error = f"checksum mismatch: {mismatches}"
         ack = Ack(
-            status="error" if mismatches else "ok",
+            status="error" if mismatches or wrong else "ok",
             ipc_closed=True,
             bytes_copied=copied,
             seconds=seconds,
             gc_fallback=close.gc_fallback,
             checksum_mismatches=tuple(mismatches),
-            error=f"checksum mismatch: {mismatches}" if mismatches else "",
+            digest_checked=0 if sums is None else len(manifest.entries),
+            digest_mismatches=tuple(wrong[:DIGEST_NAMES_MAX]),
+            error=error,
             reader_pid=os.getpid(),
             reader_host=host_id(),
             **self._signed(gen, step),
@@ -450,8 +472,10 @@ class WeightReader:
                 ("acked", seconds["ack"]),
             ],
             report,
-            mismatches,
+            error,
         )
+        if wrong:
+            raise WeightsMismatch(error, parameters=tuple(wrong), step=step)
         if mismatches:
             raise StepFailed(f"step {step}: sampled checksums differ for {mismatches}", step=step)
         self.weight_version = manifest.weight_version
@@ -505,6 +529,37 @@ class WeightReader:
                 self.fp8_format,
             ),
         )
+
+    def _digest_launch(self, manifest: Manifest, program: CopyProgram, scope: ImportScope) -> bytes | None:
+        """The weights check (digest.py): hash this step's sample where this rank installed it (the copies
+        are enqueued before it on the same stream) and read it back. None: the manifest carries no digest."""
+        spec = manifest.digest
+        if spec is None:
+            return None
+        if spec.chunk != digest.CHUNK_BYTES:
+            raise StepFailed(
+                f"step {manifest.step}: the trainer's digest reads {spec.chunk}-byte chunks, this reader "
+                f"{digest.CHUNK_BYTES}",
+                step=manifest.step,
+            )
+        sample = program.digests.get(spec.period)
+        if sample is None:
+            device = getattr(self.importer, "device", None)
+            quantized = frozenset(
+                n for n, t in self.targets.items() if t.dtype == torch.float8_e4m3fn and n in self.scales
+            )
+            sample = digest.reader_program(
+                manifest.entries,
+                [b.index for b in manifest.buckets],
+                self.targets,
+                self.target_shards,
+                quantized,
+                spec.period,
+                device if isinstance(device, torch.device) else torch.device("cpu"),
+            )
+            program.digests = {spec.period: sample}
+        sums = sample.launch(manifest.step, scope.bucket)
+        return digest.SampleProgram.finish(sums)  # waits for the copies, as the synchronize after it did
 
     def _hash_of(self, manifest: Manifest) -> str:
         """The layout hash for the history, computed once per layout (a millisecond at 400 entries)."""
@@ -621,18 +676,18 @@ class WeightReader:
         )
 
     def _emit(
-        self, manifest: Manifest, phases: list[tuple[str, float]], report: StepReport, mismatches: list[str]
+        self, manifest: Manifest, phases: list[tuple[str, float]], report: StepReport, error: str
     ) -> None:
         events = [self._event(manifest, phase, s, report.bytes) for phase, s in phases]
         events.append(
             self._event(
                 manifest,
-                "finished" if not mismatches else "failed",
+                "finished" if not error else "failed",
                 report.seconds,
                 report.bytes,
-                result="ok" if not mismatches else "error",
+                result="ok" if not error else "error",
                 phase_seconds=report.phase_seconds,
-                error=f"checksum mismatch: {mismatches}" if mismatches else "",
+                error=error,
             )
         )
         try:
@@ -670,6 +725,15 @@ class WeightReader:
             weight_version=manifest.weight_version,
             error=str(error),
         )
+
+
+def _digest_error(step: int, wrong: list[str]) -> str:
+    shown = wrong[:8]
+    more = f" and {len(wrong) - len(shown)} more" if len(wrong) > len(shown) else ""
+    return (
+        f"step {step}: weights check failed: the installed sample of {len(wrong)} parameter(s) differs from "
+        f"what the trainer published: {shown}{more}"
+    )
 
 
 @contextlib.contextmanager

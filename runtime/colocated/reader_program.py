@@ -17,6 +17,7 @@ import torch
 
 from colocate_runtime.colocated import fastcopy
 from colocate_runtime.colocated.buckets import PlacedEntry
+from colocate_runtime.colocated.digest import SampleProgram
 from colocate_runtime.colocated.fp8_block import BlockFp8
 from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.gather import GatherProgram, compile_gather
@@ -47,6 +48,8 @@ class CopyProgram:
     copied_bytes: int = 0
     gather: GatherProgram | None = None  # an in-place step: every local copy (gather.py)
     fp8: GatherProgram | None = None  # a packed step's block-FP8 targets, quantized while copied (gather.py)
+    # The weights check's sample of this layout, by the trainer's period (digest.py): built at its first step.
+    digests: dict[int, SampleProgram] = field(default_factory=dict)
 
     @torch.no_grad()
     def copy_bucket(self, index: int, bucket: Bucket) -> None:

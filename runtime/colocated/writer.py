@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from colocate_runtime.bits import copy_bits
-from colocate_runtime.colocated import checksum
+from colocate_runtime.colocated import checksum, digest
 from colocate_runtime.colocated.buckets import BucketPlan, BucketSpec, EntrySpec, PlacedEntry, plan_buckets
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.inplace import (
@@ -52,6 +52,7 @@ from colocate_runtime.colocated.manifest import (
     LayoutEncoder,
     Manifest,
     Producer,
+    WeightDigest,
     encode_manifest,
 )
 from colocate_runtime.colocated.metastore import (
@@ -72,6 +73,7 @@ from colocate_runtime.colocated.outcome import (
     StepRejected,
     StepReport,
     StepTimedOut,
+    WeightsMismatch,
 )
 from colocate_runtime.colocated.preflight import PreflightSettings, Verdict
 from colocate_runtime.colocated.preflight_trainer import TrainerPreflight
@@ -101,6 +103,8 @@ class WriterSettings:
     step_timeout_s: float = float(env.STEP_TIMEOUT_SECONDS.default)
     heartbeat_ttl_s: float = float(env.HEARTBEAT_TTL_SECONDS.default)
     checksum_entries: int = 0  # > 0: sampled checksums of that many entries per step
+    # The weights check of every step (digest.py): every byte sampled within this many steps; 0: off.
+    digest_period: int = env.WEIGHT_DIGEST_PERIOD.default
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
     ack_spin_s: float = env.ACK_SPIN_MS.default / 1e3  # poll for the ACK this long first (_spin_for_ack)
     preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
@@ -118,6 +122,7 @@ class WriterSettings:
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             ack_spin_s=cfg.ack_spin_ms / 1e3,
             checksum_entries=checksum_entries if cfg.verify == "SampledChecksum" else 0,
+            digest_period=cfg.weight_digest_period,
             preflight=PreflightSettings.from_config(cfg),
             termination_log=TERMINATION_LOG,
         )
@@ -143,6 +148,7 @@ class PendingStep:
     rejected: set[str] = field(default_factory=set)  # ACKs already refused (each reported once)
     layout: InPlaceLayout | None = None  # the in-place layout it was staged from, when its buckets were kept
     kept: tuple[int, ...] = ()
+    digest: bool = False  # its manifest carried the weights check's digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +193,9 @@ class WeightWriter:
         self._plan: tuple[list[EntrySpec], int, BucketPlan] | None = None
         self._layout = LayoutEncoder()
         self._standing: _Standing | None = None
+        # The weights check's sample of the last layout (its entries, its buckets, the program).
+        self._digest: tuple[tuple[PlacedEntry, ...], tuple[int, ...], digest.SampleProgram] | None = None
+        self._digest_unchecked = False  # said once: the reader answered without checking the digest
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -212,6 +221,9 @@ class WeightWriter:
             on_beat=lambda: self.store.restore_gen(self.uuid, gen),
         ).start()
         log.info("colocated writer on %s started generation %d", self.uuid, gen)
+        device = getattr(self.exporter, "device", None)
+        if self.settings.digest_period > 0 and isinstance(device, torch.device):
+            digest.warm_up(device)  # compile the check's kernel now rather than in the first step
         if preflight and self.settings.preflight.enabled:
             self.preflight()
         return gen
@@ -380,10 +392,15 @@ class WeightWriter:
                 )
                 values = checksum.tensor_checksums([staged.data(n) for n in names])
                 sums = dict(zip(names, values, strict=True))
+            weights = self._digest_launch(step, staged)
             for b in buckets:
                 if b.descriptor is None:  # a standing export is published as it is
                     self.exporter.export(b)
             self.exporter.synchronize()
+            checked = None
+            if weights is not None:
+                per_entry = digest.SampleProgram.finish(weights)
+                checked = WeightDigest(self.settings.digest_period, digest.CHUNK_BYTES, per_entry)
             t_pack = time.perf_counter()
             version = weight_version if weight_version is not None else str(step)
             manifest = Manifest(
@@ -402,6 +419,7 @@ class WeightWriter:
                 entries=staged.entries,
                 checksums=sums,
                 kept=staged.kept,
+                digest=checked,
             )
             run_id = self._run_id  # refreshed on the wait loop's wake-ups, not on this path
             # A large layout is stored once under its hash and named by the manifest (not 5 MB a step).
@@ -430,9 +448,33 @@ class WeightWriter:
             published_at=t_pub,
             layout=staged.layout,
             kept=staged.kept,
+            digest=checked is not None,
         )
         self._emit(self._event(pending, "published", seconds=t_pub - t0))
         return pending
+
+    def _digest_launch(self, step: int, staged: _Staged) -> torch.Tensor | None:
+        """Enqueue the weights check's per-entry sums of what this step publishes (None: the check is off);
+        the export's synchronize waits for them."""
+        period = self.settings.digest_period
+        if period <= 0:
+            return None
+        order = tuple(s.index for s in staged.specs)
+        cached = self._digest
+        same = cached is not None and (cached[0] is staged.entries or cached[0] == staged.entries)
+        if cached is None or not same or cached[1] != order or cached[2].period != period:
+            flat = staged.buckets[0].tensor if staged.buckets else None
+            device = flat.device if flat is not None else torch.device("cpu")
+            cached = (staged.entries, order, digest.trainer_program(staged.entries, order, period, device))
+            self._digest = cached
+        by_index = {b.index: b.tensor for b in staged.buckets}
+
+        def bucket(index: int) -> torch.Tensor:
+            flat = by_index[index]
+            assert flat is not None
+            return flat
+
+        return cached[2].launch(step, bucket)
 
     def republish(self) -> int:
         """Make the last published step publishable once more, for a restarted reader (repush.py): its keys
@@ -548,12 +590,25 @@ class WeightWriter:
         self._free(pending, self._unopened(pending))
         self._reap_parked(later=ack, step=step)
         pending.phase_seconds["free"] = time.perf_counter() - t0
+        if ack.digest_mismatches:
+            raise self._failed(
+                pending,
+                WeightsMismatch(
+                    f"step {step} failed in the reader: {ack.error}",
+                    parameters=ack.digest_mismatches,
+                    step=step,
+                    freed=True,
+                ),
+            )
         if ack.status != "ok" or ack.checksum_mismatches:
             detail = ack.error or f"checksum mismatch in {list(ack.checksum_mismatches)}"
             kind = StepAborted if ack.result == StepAborted.result else StepRejected
             raise self._failed(
                 pending, kind(f"step {step} failed in the reader: {detail}", step=step, freed=True)
             )
+        if pending.digest and not ack.digest_checked and not self._digest_unchecked:
+            self._digest_unchecked = True
+            log.warning("step %d: the reader did not check the weights digest (an older reader?)", step)
         self._state = "idle"
         report = StepReport(
             pending.gen,

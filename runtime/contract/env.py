@@ -273,6 +273,15 @@ READY_SPIN_MS = Var(
     "loader) finds the step at once and never spins. 0: block at once",
     _CONFIG,
 )
+WEIGHT_DIGEST_PERIOD = Var(
+    "COLOCATE_WEIGHT_DIGEST_PERIOD",
+    int,
+    1024,
+    "the weights check of every step (trainer side; the reader follows its manifest): both sides hash "
+    "1/period of every parameter's bytes, a different part each step, so every byte is checked within "
+    "this many steps; a mismatch fails the step naming the parameter (runtime/colocated/digest.py). 0: off",
+    _CONFIG,
+)
 KEY_TTL_SECONDS = Var(
     "COLOCATE_KEY_TTL_SECONDS",
     int,
@@ -539,6 +548,7 @@ POD = (
     HEARTBEAT_TTL_SECONDS,
     ACK_SPIN_MS,
     READY_SPIN_MS,
+    WEIGHT_DIGEST_PERIOD,
     KEY_TTL_SECONDS,
     SHM_DIR,
     SGLANG_URL,
