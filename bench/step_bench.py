@@ -28,6 +28,8 @@ timed steps (after one warm-up); one JSON line per preset and mode goes to bench
     python bench/step_bench.py --preset qwen3-30b-a3b qwen3-30b-a3b-tp2ep8 qwen3-8b   # on an H200
     python bench/step_bench.py --via publisher --modes kept --preset qwen3-30b-a3b    # through the facade
     python bench/step_bench.py --device cpu --preset tiny                             # smoke test
+    python bench/step_bench.py --target-dtype bfloat16 fp8_e4m3_block128 --modes kept --preset qwen3-30b-a3b
+                                 # SGLang serving block FP8: quantized on the copy, beside the BF16 step
     python bench/step_bench.py --digest both --modes kept --preset qwen3-8b --steps 11
                                  # the weights check in every other step: its cost, as % of the step
 """
@@ -55,6 +57,8 @@ from convert_bench import PRESETS as CONVERT_PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "step.jsonl"
+SCALE_SUFFIX = "_scale_inv"  # reader digests of a block-FP8 piece's scale view
+TARGET_DTYPES = ("bfloat16", "fp8_e4m3_block128")  # what SGLang holds: the model dtype, or block FP8
 MODES = ("inplace", "kept", "separate", "packed")
 
 QWEN3_30B_A3B = CONVERT_PRESETS["qwen3-30b-a3b"]
@@ -71,6 +75,8 @@ QWEN3_8B = dict(
 )
 TINY = dict(QWEN3_30B_A3B, hidden_size=64, num_hidden_layers=2, head_dim=16, vocab_size=1000, num_experts=8)
 TINY.update(intermediate_size=128, moe_intermediate_size=32, num_attention_heads=8)
+# Small, with every fused part a whole 128-row block (what SGLang's block FP8 needs): the FP8 smoke test
+TINY_BLOCKS = dict(TINY, hidden_size=256, head_dim=32, num_key_value_heads=4, moe_intermediate_size=128)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ PRESETS = {
     ),
     "qwen3-8b": Preset(QWEN3_8B, {}, {}, {"tp": 1}, 0),
     "tiny": Preset(TINY, {"tp": 2, "ep": 2, "etp": 1}, {}, {"tp": 2, "ep": 2}, 0),
+    "tiny-blocks": Preset(TINY_BLOCKS, {"ep": 2, "etp": 1}, {"ep_rank": 1}, {"tp": 1}, 0),
 }
 
 
@@ -128,7 +135,8 @@ def digest(t):  # type: ignore[no-untyped-def]
     """Position-weighted sums of a tensor's raw 16-bit words: equal bits, equal digests (any device)."""
     import torch
 
-    words = t.contiguous().view(-1).view(torch.int16)
+    flat = t.contiguous().view(-1)
+    words = flat.view(torch.uint8).to(torch.int16) if flat.element_size() == 1 else flat.view(torch.int16)
     plain = weighted = 0
     for start in range(0, words.numel(), 1 << 26):
         w = words[start : start + (1 << 26)].to(torch.int64)
@@ -146,30 +154,71 @@ def run_reader(args: argparse.Namespace) -> None:
 
     from colocate_runtime.colocated.config import ColocateConfig
     from colocate_runtime.colocated.wiring import new_reader
-    from colocate_runtime.dtypes import torch_dtype
     from colocate_runtime.shards import TensorShard
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(0)
     tplan, iplan = plans(PRESETS[args.preset[0]])
-    dtype = torch_dtype(iplan.spec.dtype)
-    params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in iplan.param_shapes().items()}
-    local = local_boxes(tplan, iplan)
-    targets, shards = {}, {}
-    for shard, view in iplan.read(params):  # each target cut to what this GPU's trainer rank holds
-        if shard.name in local:
-            common = local[shard.name]
-            targets[shard.name] = view[common.relative_to(shard.box).slices()]
-            shards[shard.name] = TensorShard(shard.name, shard.global_shape, shard.dtype, common)
-    reader = new_reader(ColocateConfig.from_env(os.environ), targets, target_shards=shards, device=device)
+    local = local_boxes(tplan, iplan)  # each target cut to what this GPU's trainer rank holds
+    targets, scales, fmt = engine_targets(iplan, local, args.target_dtype[0], device)
+    shards = {
+        s.name: TensorShard(s.name, s.global_shape, s.dtype, local[s.name])
+        for s in iplan.shards()
+        if s.name in local
+    }
+    extra = {"scales": scales, "fp8_format": fmt} if scales else {}
+    reader = new_reader(
+        ColocateConfig.from_env(os.environ), targets, target_shards=shards, device=device, **extra
+    )
     steps = []
     for _ in range(args.steps):
         report = reader.apply_next(timeout_s=600)
         steps.append(report.phase_seconds)
     digests = {name: digest(t) for name, t in targets.items()}
+    digests.update({name + SCALE_SUFFIX: digest(t) for name, t in scales.items()})
     reader.close()
     print(json.dumps({"reader": steps, "digests": digests}), flush=True)
+
+
+def engine_targets(iplan, local: dict, target_dtype: str, device):  # type: ignore[no-untyped-def]
+    """SGLang's parameters, one allocation each, and the reader's views of them: (targets, scale views of the
+    block-FP8 ones, their format). `target_dtype` "bfloat16": the model dtype throughout, no scales."""
+    import torch
+
+    from colocate_runtime.colocated.fp8_block import BlockFp8
+    from colocate_runtime.convert.fp8 import Fp8Quantization, fp8_layout, read_fp8
+    from colocate_runtime.dtypes import torch_dtype
+
+    if target_dtype == "bfloat16":
+        dtype = torch_dtype(iplan.spec.dtype)
+        params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in iplan.param_shapes().items()}
+        return (
+            {
+                s.name: v[local[s.name].relative_to(s.box).slices()]
+                for s, v in iplan.read(params)
+                if s.name in local
+            },
+            {},
+            None,
+        )
+    quant = Fp8Quantization()
+    params = {
+        h.name: torch.zeros(h.shape, dtype=torch_dtype(h.dtype), device=device)
+        for h in fp8_layout(iplan, quant).values()
+    }
+    targets, scales = read_fp8(iplan, params, quant, boxes=local)
+    return targets, scales, BlockFp8(quant.block, quant.ue8m0)
+
+
+def quantized_names(iplan) -> set[str]:  # type: ignore[no-untyped-def]
+    """The canonical pieces an engine serving block FP8 holds in e4m3."""
+    from colocate_runtime.convert.fp8 import Fp8Quantization, is_quantized
+
+    quant = Fp8Quantization()
+    return {
+        p.shard.name for param in iplan.params if is_quantized(param.name, quant) for p in param.placements
+    }
 
 
 # --- trainer side -------------------------------------------------------------------------------------------
@@ -294,7 +343,9 @@ def sync(device) -> None:  # type: ignore[no-untyped-def]
         torch.cuda.synchronize(device)
 
 
-def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password: str, shm: Path) -> dict:
+def run_mode(
+    args: argparse.Namespace, name: str, mode: str, target: str, port: int, password: str, shm: Path
+) -> dict:
     import torch
 
     from colocate_runtime.colocated.config import ColocateConfig
@@ -318,7 +369,9 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
             "--device",
             args.device,
             "--steps",
-            *[str(args.steps)],
+            str(args.steps),
+            "--target-dtype",
+            target,
         ],
         env={
             **os.environ,
@@ -388,11 +441,9 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     result = json.loads(stdout.strip().splitlines()[-1])
     # The reference: the converter's own output, cut to what SGLang holds here.
     local = local_boxes(tplan, plans(PRESETS[name])[1])
-    want = {
-        p.shard.name: digest(p.data()[local[p.shard.name].relative_to(p.shard.box).slices()])
-        for p in pieces
-        if p.shard.name in local
-    }
+    want = reference_digests(
+        pieces, local, quantized_names(plans(PRESETS[name])[1]) if target != "bfloat16" else ()
+    )
     wrong = sorted(n for n, d in result["digests"].items() if want.get(n) != d)
     missing = sorted(set(want) - set(result["digests"]))
     timed = steps[1:] or steps
@@ -410,6 +461,7 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
     return {
         "preset": name,
         "mode": mode,
+        "target_dtype": target,
         "via": "publisher" if publisher is not None else "writer",
         "ms": med(timed, "total"),
         "floor_ms": floor_s * 1e3,
@@ -457,6 +509,24 @@ def run_mode(args: argparse.Namespace, name: str, mode: str, port: int, password
         "missing": missing[:5],
         "steps": args.steps,
     }
+
+
+def reference_digests(pieces, local: dict, quantized) -> dict:  # type: ignore[no-untyped-def]
+    """What SGLang should hold: the converter's own output cut to this GPU's boxes, and for the block-FP8
+    pieces the reference quantizer's e4m3 values and scales of it (colocated/fp8_block.py)."""
+    from colocate_runtime.colocated.fp8_block import quantize
+
+    want = {}
+    for p in pieces:
+        if p.shard.name not in local:
+            continue
+        data = p.data()[local[p.shard.name].relative_to(p.shard.box).slices()]
+        if p.shard.name in quantized:
+            q, scale = quantize(data)
+            want[p.shard.name], want[p.shard.name + SCALE_SUFFIX] = digest(q), digest(scale)
+        else:
+            want[p.shard.name] = digest(data)
+    return want
 
 
 def digest_runs(setting: str, step: int) -> bool:
@@ -508,6 +578,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="steps per mode; the first is a warm-up")
     p.add_argument("--bucket-mb", type=int, default=2048)
     p.add_argument("--min-adopt-mb", type=int, default=256, help="smallest storage exported in place")
+    p.add_argument(
+        "--target-dtype",
+        nargs="+",
+        choices=TARGET_DTYPES,
+        default=["bfloat16"],
+        help="what SGLang holds: bfloat16, or block FP8 (quantized on the copy); several: one row each",
+    )
     p.add_argument("--no-save", action="store_true", help="do not append to bench/results/step.jsonl")
     p.add_argument(
         "--via",
@@ -532,26 +609,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp))
         try:
-            for name in args.preset:
-                for mode in args.modes:
-                    print(f"# {name} {mode} ...", flush=True)
-                    row = run_mode(args, name, mode, server.port, server.password, Path(tmp))
-                    row.update(device=device_name(args.device), commit=commit(), command=command)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if not args.no_save:
-                        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                        with RESULTS.open("a") as f:
-                            f.write(json.dumps(row) + "\n")
+            for name, target, mode in itertools.product(args.preset, args.target_dtype, args.modes):
+                print(f"# {name} {target} {mode} ...", flush=True)
+                row = run_mode(args, name, mode, target, server.port, server.password, Path(tmp))
+                row.update(device=device_name(args.device), commit=commit(), command=command)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if not args.no_save:
+                    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                    with RESULTS.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
         finally:
             server.stop()
     print()
-    head = f"{'preset':<24}{'mode':<10}{'GB':>7}{'ms':>9}{'floor':>8}{'x':>7}  phases ms (median)"
+    head = (
+        f"{'preset':<24}{'target':<10}{'mode':<10}{'GB':>7}{'ms':>9}{'floor':>8}{'x':>7}  phases ms (median)"
+    )
     print(head)
     for r in rows:
         phases = " ".join(f"{k} {v:.1f}" for k, v in r["phases_ms"].items() if v >= 0.05)
         print(
-            f"{r['preset']:<24}{r['mode']:<10}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['floor_ms']:>8.1f}"
+            f"{r['preset']:<24}{r['target_dtype'][:8]:<10}{r['mode']:<10}{r['gb']:>7.2f}{r['ms']:>9.1f}{r['floor_ms']:>8.1f}"
             f"{r['ms'] / r['floor_ms']:>7.1f}  {phases}  handles {r['handles']}"
             f" packed {r['packed_gb']:.2f} GB"
             f"  bitwise {'yes' if r['bitwise'] else 'NO ' + str(r['wrong'] + r['missing'])}"

@@ -96,9 +96,17 @@ class BlockTable:
             )
 
 
+def indexed(device: torch.device | None) -> torch.device | None:
+    """`cuda` as `cuda:<current>`: tensors always carry an index, and `cuda != cuda:0` in torch."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def build(blocks: Sequence[Block], device: torch.device, fmt: BlockFp8 = FP32_SCALES) -> BlockTable:
     if not blocks:
         raise ValueError("no blocks")
+    device = indexed(device)  # type: ignore[assignment]
     bm, bk = fmt.block
     base = blocks[0].q
     base_ptr = base.data_ptr()

@@ -27,7 +27,8 @@ from typing import Any
 
 from colocate_runtime.convert.errors import UnsupportedLayoutError
 from colocate_runtime.convert.inference import InferenceRankPlan
-from colocate_runtime.convert.params import SGLangParam
+from colocate_runtime.convert.params import Placement, SGLangParam
+from colocate_runtime.shards import Box
 
 FP8_BLOCK_FORMAT = "fp8_e4m3_block128"  # colocated.fp8_block.FORMAT: the target dtype of step_bench lines
 E4M3 = "float8_e4m3fn"
@@ -152,3 +153,40 @@ def _check_blocks(param: SGLangParam, block: tuple[int, int], sharded: bool) -> 
                 f"{param.name}: {p.shard.name} takes columns {cols_at}..{cols_at + cols}, not whole "
                 f"{bk}-column blocks (SGLang refuses this block-FP8 layout)"
             )
+
+
+def scale_target(placement: Placement, box: Box, block: tuple[int, int]) -> tuple[int | slice, ...]:
+    """The scale tensor's index expression for the blocks a sub-box of a placement covers (the e4m3
+    counterpart is `placement.target(box)`): the same leading index, rows and columns divided into blocks,
+    a ragged last block counted whole."""
+    *lead, rows, cols = placement.target(box)
+    assert isinstance(rows, slice) and isinstance(cols, slice)
+
+    def blocks(s: slice, size: int) -> slice:
+        return slice(s.start // size, -(-s.stop // size))
+
+    return (*lead, blocks(rows, block[0]), blocks(cols, block[1]))
+
+
+def read_fp8(
+    plan: InferenceRankPlan,
+    params: Mapping[str, Any],
+    quant: Fp8Quantization,
+    boxes: Mapping[str, Box] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The reader's targets of an engine serving block FP8: canonical name -> a view of its parameter (e4m3
+    for quantized ones), and for the quantized ones canonical name -> the view of `*_scale_inv` covering the
+    same blocks (`new_reader(targets, scales=...)`). `params`: the engine's tensors by SGLang name, scales
+    included (`fp8_layout`'s names); `boxes`: the canonical sub-box to read of each (what the trainer rank
+    on this GPU holds), else the whole placement."""
+    targets: dict[str, Any] = {}
+    scales: dict[str, Any] = {}
+    for param in plan.params:
+        for p in param.placements:
+            box = p.shard.box if boxes is None else boxes.get(p.shard.name)
+            if box is None:
+                continue
+            targets[p.shard.name] = params[param.name][p.target(box)]
+            if is_quantized(param.name, quant):
+                scales[p.shard.name] = params[scale_name(param.name)][scale_target(p, box, quant.block)]
+    return targets, scales
