@@ -167,6 +167,8 @@ class SampleProgram:
     ) -> None:
         if period < 1 or chunk < 1:
             raise ValueError(f"digest period {period} and chunk {chunk} must be positive")
+        if device.type == "cuda" and device.index is None:  # compared with the tensors' devices below
+            device = torch.device("cuda", torch.cuda.current_device())
         self.names = tuple(e.name for e in entries)
         self.period, self.chunk, self.device = period, chunk, device
         self.buckets = tuple(buckets)

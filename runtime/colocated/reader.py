@@ -424,7 +424,8 @@ class WeightReader:
         t2 = time.perf_counter()
         wrong: list[str] = []
         if sums is not None and manifest.digest is not None:
-            wrong = digest.mismatches([e.name for e in manifest.entries], sums, manifest.digest.sums)
+            installed = digest.SampleProgram.finish(sums)
+            wrong = digest.mismatches([e.name for e in manifest.entries], installed, manifest.digest.sums)
             seconds["digest"] = digest_s + time.perf_counter() - t2
         t2 = time.perf_counter()
         mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
@@ -530,9 +531,12 @@ class WeightReader:
             ),
         )
 
-    def _digest_launch(self, manifest: Manifest, program: CopyProgram, scope: ImportScope) -> bytes | None:
-        """The weights check (digest.py): hash this step's sample where this rank installed it (the copies
-        are enqueued before it on the same stream) and read it back. None: the manifest carries no digest."""
+    def _digest_launch(
+        self, manifest: Manifest, program: CopyProgram, scope: ImportScope
+    ) -> torch.Tensor | None:
+        """The weights check (digest.py): enqueue the hash of this step's sample where this rank installed it
+        (after the copies, on the same stream; the copy phase's synchronize waits for both). None: the
+        manifest carries no digest."""
         spec = manifest.digest
         if spec is None:
             return None
@@ -558,8 +562,7 @@ class WeightReader:
                 device if isinstance(device, torch.device) else torch.device("cpu"),
             )
             program.digests = {spec.period: sample}
-        sums = sample.launch(manifest.step, scope.bucket)
-        return digest.SampleProgram.finish(sums)  # waits for the copies, as the synchronize after it did
+        return sample.launch(manifest.step, scope.bucket)
 
     def _hash_of(self, manifest: Manifest) -> str:
         """The layout hash for the history, computed once per layout (a millisecond at 400 entries)."""
