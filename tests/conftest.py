@@ -3,9 +3,9 @@ real redis-server (colocate_devcluster.localredis, the launcher the benches and 
 
 Under pytest-xdist (`make test` runs `-n 2 --dist loadscope`) each worker is its own process with its own
 session fixtures (its own control plane); a module is the unit a worker takes, so a module-scoped server
-(real SGLang, Redis) still starts once. The scheduler below keeps a directory whose session fixture holds
-host-wide state (tests/realnode: one kubelet, containerd and CNI bridge per machine) on one worker, and the
-heaviest modules go out first so neither worker is left alone with one at the end."""
+(real SGLang, Redis) still starts once. The scheduler below runs the CPU-bound modules on one worker, one
+after another, beside the tests that wait on processes; keeps tests/realnode (host-wide state) on one
+worker; and deals the costliest out first so neither worker is left alone with one at the end."""
 
 from __future__ import annotations
 
@@ -85,49 +85,58 @@ def module_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Re
         yield server
 
 
-# Directories whose modules must share one worker: their session fixture owns host-wide state.
-ONE_WORKER_DIRS = ("tests/realnode/",)
-# The costliest modules of a `make test` run (--durations of a clean-clone run, 2026-12-03), dealt out first:
-# a scope that starts last and runs for minutes is what makes two workers finish far apart.
-HEAVY_FIRST = (
+# Modules that must share one worker: their session fixture owns host-wide state (a kubelet, containerd
+# and CNI bridge per machine).
+ONE_WORKER = ("tests/realnode/",)
+# The CPU-bound ones (real SGLang servers, torchrun + megatron-core, the demos): one scope on one worker, run
+# one after another while the other worker takes the tests that mostly wait on a control plane. Two of them
+# at once on two cores (each SGLang rank binds its OpenMP threads to a core) take several times as long and
+# run into their step timeouts; the whole group, dealt out first, is about 13 of the suite's 30 minutes.
+CPU_BOUND = (
     "tests/test_demo_megatron.py",
-    "tests/sglang_real/test_conformance.py",
-    "tests/sglang_real/test_mla.py",
-    "tests/sglang_real/test_auto_loader.py",
+    "tests/sglang_real/",
+    "tests/megatron_real/",
+    "tests/test_demo_engine_recovery.py",
+    "tests/test_demo.py",
+)
+# Then the costliest of the rest (--durations of a clean-clone run, 2026-12-03): a scope that starts last and
+# runs for a minute is what leaves one worker idle at the end.
+HEAVY_NEXT = (
     "tests/test_dockerfile.py",
     "tests/realnode/",
     "tests/operator/test_apiserver_restart_integration.py",
-    "tests/sglang_real/test_serve_api_key.py",
-    "tests/megatron_real/",
     "tests/operator/test_integration.py",
-    "tests/test_demo_engine_recovery.py",
     "tests/operator/test_metastore_loss_integration.py",
     "tests/bench/test_scale_smoke.py",
-    "tests/test_demo.py",
 )
+CPU_SCOPE = "cpu-bound: " + " ".join(CPU_BOUND)
 
 
-def _heavy_rank(nodeid: str) -> int:
-    return next((i for i, prefix in enumerate(HEAVY_FIRST) if nodeid.startswith(prefix)), len(HEAVY_FIRST))
+def _rank(nodeid: str) -> int:
+    order = (*CPU_BOUND, *HEAVY_NEXT)
+    return next((i for i, prefix in enumerate(order) if nodeid.startswith(prefix)), len(order))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist only: the heaviest modules first (a stable sort: every module's own order is kept)."""
+    """Under xdist only: the CPU-bound group first, then the heaviest of the rest (a stable sort: each
+    module's own order is kept)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: _heavy_rank(item.nodeid))
+        items.sort(key=lambda item: _rank(item.nodeid))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent from a venv without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """--dist loadscope, with ONE_WORKER_DIRS one scope each and the collection's order kept (the
-    heaviest first, above) instead of xdist's reorder by test count."""
+    """--dist loadscope with CPU_BOUND as one scope and each ONE_WORKER directory as one, in the order
+    above instead of xdist's reorder by test count."""
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            shared = next((d for d in ONE_WORKER_DIRS if nodeid.startswith(d)), None)
+            if nodeid.startswith(CPU_BOUND):
+                return CPU_SCOPE
+            shared = next((d for d in ONE_WORKER if nodeid.startswith(d)), None)
             return shared or super()._split_scope(nodeid)
 
     config.option.loadscopereorder = False
