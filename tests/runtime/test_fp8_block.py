@@ -124,7 +124,11 @@ def test_all_zero_blocks_dequantize_to_zero(fmt: BlockFp8) -> None:
     x[200, 200] = -0.0
     q, s = quantize(x, fmt)
     assert torch.isfinite(s).all() and (s > 0).all()
-    expected = fp8_block.ceil_to_ue8m0(torch.tensor(1e-4 / 448.0)) if fmt.ue8m0 else torch.tensor(1e-10) * fp8_block.E4M3_MAX_RECIPROCAL
+    expected = (
+        fp8_block.ceil_to_ue8m0(torch.tensor(1e-4 / 448.0))
+        if fmt.ue8m0
+        else torch.tensor(1e-10) * fp8_block.E4M3_MAX_RECIPROCAL
+    )
     assert s[1, 1].item() == expected.item()
     if fmt.ue8m0:
         assert s[1, 1].item() == 2.0**-22
