@@ -40,7 +40,9 @@ ROLLOUT_CONSISTENT = Gauge(
     ["namespace", "job"],
 )
 ROLLOUT_BREACHES = Counter(
-    "colocate_rollout_breaches_total", "Rollout consistency breaches (each one Event).", ["namespace", "job"]
+    "colocate_rollout_breaches_total",
+    "Rollout consistency breaches reported (each with an Event).",
+    ["namespace", "job"],
 )
 RESTARTS = Gauge("colocate_job_restarts", "Whole-group restarts of a job so far.", ["namespace", "job"])
 RECONCILE_ERRORS = Counter("colocate_reconcile_errors_total", "Reconcile passes that raised an error.")

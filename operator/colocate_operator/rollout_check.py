@@ -10,7 +10,7 @@ reported gets one Warning Event `RolloutInconsistent` and spec.weightSync.rollou
   incarnation) that breaches again is a new breach;
 - Fail: the reconciler fails the job from the RolloutConsistent condition (decide.py, `rollout_failure`).
 A breach is marked reported only after its Event and action went out, so a refused patch is tried again with
-the next write; a restarted follower starts from the breaches status already counted.
+the next write; a restarted follower reports no breach that began before the newest one status shows.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from colocate_operator import kube, metrics
 from colocate_operator.constants import Reason
 from colocate_operator.kube_events import post_event
 from colocate_operator.spec import RolloutConsistencySpec
-from colocate_operator.status import StatusView
+from colocate_operator.status import RolloutStatus, StatusView
 from colocate_operator.steps import Breach, RolloutFold
 
 ACTION_WORDS = {
@@ -36,39 +36,33 @@ ACTION_WORDS = {
 
 def fold_for(policy: RolloutConsistencySpec, job: dict[str, Any]) -> RolloutFold:
     """The fold of a job the follower starts on: its policy, and the breaches its status already counted."""
-    reported = StatusView.of(job).rollout_breaches
-    return RolloutFold(policy=policy, reported=reported)
+    return RolloutFold(policy=policy, reported_since=StatusView.of(job).rollout_breach_since)
 
 
 @dataclass(frozen=True)
 class RolloutNews:
-    """What one write leaves to report, taken on the event loop (the fold goes on changing meanwhile)."""
+    """What one status write carried and leaves to report: its figures, and its newest breach when the
+    follower has not reported it yet (never one the write did not carry: status shows a breach first)."""
 
     kl: float
     baseline: float | None
     diff_mean: float
     diff_max: float
     consistent: bool
-    breach: Breach | None  # the newest breach, when one is not reported yet
-    breaches: int
-    new_breaches: int
+    breach: Breach | None
     action: str
 
     @classmethod
-    def of(cls, fold: RolloutFold) -> RolloutNews | None:
-        if fold.last is None:
+    def of(cls, fold: RolloutFold, written: RolloutStatus | None) -> RolloutNews | None:
+        c = written.consistency if written is not None else None
+        if c is None:
             return None
-        due = fold.breaches > fold.reported
+        since = StatusView({"rollout": written.model_dump(by_alias=True)}).rollout_breach_since
+        due = c.last_breach_step is not None and since > fold.reported_since
+        breach = Breach(c.last_breach_step or 0, "", c.last_breach or "", since) if due else None
+        consistent = c.last_breach_step != c.step
         return cls(
-            fold.last.kl,
-            fold.baseline(),
-            fold.last.diff_mean,
-            fold.last.diff_max,
-            fold.breach is None,
-            fold.last_breach if due else None,
-            fold.breaches,
-            max(0, fold.breaches - fold.reported),
-            fold.policy.action,
+            c.kl, c.baseline_kl, c.logp_diff_mean, c.logp_diff_max, consistent, breach, fold.policy.action
         )
 
 
@@ -87,7 +81,7 @@ def publish(api: kube.Kube, body: dict[str, Any], news: RolloutNews) -> None:
         return
     if news.action == "SuspendAtStepBoundary":
         suspend(api, body)
-    metrics.ROLLOUT_BREACHES.labels(namespace, name).inc(news.new_breaches)
+    metrics.ROLLOUT_BREACHES.labels(namespace, name).inc()
     words = ACTION_WORDS.get(news.action, news.action)
     post_event(api, body, "Warning", Reason.ROLLOUT_INCONSISTENT, f"{news.breach.message}; {words}")
 
@@ -100,12 +94,17 @@ def suspend(api: kube.Kube, body: dict[str, Any]) -> None:
 
 
 async def after_write(
-    call: Callable[..., Awaitable[Any]], api: kube.Kube, body: dict[str, Any], fold: RolloutFold
+    call: Callable[..., Awaitable[Any]],
+    api: kube.Kube,
+    body: dict[str, Any],
+    fold: RolloutFold,
+    written: RolloutStatus | None,
 ) -> None:
-    """After a status write (so status and condition show the breach before the Event and the action):
-    `call` runs `publish` off the event loop; the breach counts as reported once it returned."""
-    news = RolloutNews.of(fold)
+    """After a status write that carried `written` (so status and condition show a breach before its Event
+    and action): `call` runs `publish` off the event loop; the breach counts as reported once it returned."""
+    news = RolloutNews.of(fold, written)
     if news is None:
         return
     await call(publish, api, body, news)
-    fold.reported = max(fold.reported, news.breaches)
+    if news.breach is not None:
+        fold.reported_since = max(fold.reported_since, news.breach.since)

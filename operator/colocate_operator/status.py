@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -116,6 +117,7 @@ class ConsistencyStatus(_Model):
     breaches: int = 0
     last_breach_step: int | None = None
     last_breach: str | None = None
+    last_breach_time: str | None = None  # when the newest breach began (its first report's time)
 
 
 class RolloutStatus(_Model):
@@ -235,11 +237,16 @@ class StatusView:
         return weight_sync.get(WeightSyncStatus.model_fields["final_message"].alias) or "no message"
 
     @property
-    def rollout_breaches(self) -> int:
-        """Breaches status.rollout.consistency counted (a restarted follower posts none of them again)."""
+    def rollout_breach_since(self) -> float:
+        """When the newest breach in status.rollout.consistency began, Unix seconds (0 without one): a
+        restarted follower reports no breach that began before."""
         rollout = self.raw.get(_alias("rollout")) or {}
-        consistency = rollout.get("consistency") or {}
-        return int(consistency.get(ConsistencyStatus.model_fields["breaches"].alias) or 0)
+        consistency = rollout.get(RolloutStatus.model_fields["consistency"].alias or "consistency") or {}
+        text = consistency.get(ConsistencyStatus.model_fields["last_breach_time"].alias)
+        try:
+            return datetime.fromisoformat(str(text)).timestamp() if text else 0.0
+        except ValueError:
+            return 0.0
 
     def condition(self, type_: str) -> Mapping[str, Any] | None:
         return next((c for c in self.raw.get(_alias("conditions")) or () if c.get("type") == type_), None)

@@ -10,7 +10,8 @@ The trainer's `rollout` events (one per step: the engine's log-probs of its samp
 trainer's, runtime/consistency.py) fold into `status.rollout.consistency` and the RolloutConsistent condition
 (`RolloutFold`): each report is judged against spec.weightSync.rolloutConsistency, healthy ones feed the
 rolling baseline, and a breach that follows a healthy report (or comes from a new trainer incarnation) starts
-a new breach, which is reported once (the follower's Event and the action).
+a new breach, reported once (the follower's Event and the action): a breach is known by when it began,
+which status keeps, so a follower that replays a trimmed stream after a restart never reports one twice.
 
 The trainers' `preflight` events (the runtime's IPC preflight, one per GPU and incarnation) make the IPCReady
 condition: True once every GPU of the job passed in its newest incarnation, False with a failing GPU's
@@ -25,7 +26,7 @@ was let go. Status messages are cut to what the CRD admits.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from colocate_operator.conditions import Condition
@@ -62,6 +63,11 @@ def gpu_limit(expected_gpus: int) -> int:
 
 def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def precise(ts: float) -> str:
+    """RFC 3339 to the microsecond: a time read back to tell one event from another."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Breach:
     step: int
     reason: str
     message: str
+    since: float = 0.0  # when the breach began: the ts of its first report
 
 
 @dataclass
@@ -120,7 +127,7 @@ class RolloutFold:
     breach: Breach | None = None  # the last report's, when it breached
     last_breach: Breach | None = None  # the newest breach, kept after healthy reports
     breaches: int = 0  # breaches started (a run of breaching reports is one)
-    reported: int = 0  # of those, how many the follower posted an Event (and acted) for
+    reported_since: float = 0.0  # the newest breach the follower reported (posted, acted on) began then
     _healthy: deque[float] = field(default_factory=deque)
 
     def observe(self, event: StepEvent) -> bool:
@@ -138,6 +145,9 @@ class RolloutFold:
                 self._healthy.popleft()
         elif self.breach is None or new_trainer:
             self.breaches += 1
+            breach = replace(breach, since=event.ts)
+        else:
+            breach = replace(breach, since=self.breach.since)
         self.breach = breach
         self.last_breach = breach or self.last_breach
         return True
@@ -204,6 +214,7 @@ class RolloutFold:
                 breaches=self.breaches,
                 last_breach_step=newest.step if newest else None,
                 last_breach=newest.message[:MESSAGE_MAX_CHARS] if newest else None,
+                last_breach_time=precise(newest.since) if newest else None,
             )
         )
 

@@ -984,7 +984,7 @@ async def _maybe_write(
     writes.boundaries, writes.last_write = snapshot.boundaries, now
     writes.written_phase, writes.written_stalled = snapshot.phase, stalled
     await readers.call(_post_step_events, api, body, snapshot.newest, writes, newly_stalled, now)
-    await rollout_check.after_write(readers.call, api, body, state.tracker.rollout)
+    await rollout_check.after_write(readers.call, api, body, state.tracker.rollout, snapshot.rollout)
 
 
 def _write_wanted(state: _Follow, writes: _Writes, deadline: float, now: float) -> bool:

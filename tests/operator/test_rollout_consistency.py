@@ -28,7 +28,9 @@ POLICY = RolloutConsistencySpec(baseline_min_steps=3, baseline_steps=5)
 
 def report(step: int, kl: float, *, gen: int = 1, tokens: int = 512) -> StepEvent:
     figures = RolloutFigures(kl, 10 * kl, 100 * kl, 0.0, 0.5, tokens)
-    return StepEvent(role="trainer", gen=gen, step=step, phase="rollout", result="ok", rollout=figures)
+    return StepEvent(
+        role="trainer", gen=gen, step=step, phase="rollout", result="ok", rollout=figures, ts=1000.0 + step
+    )
 
 
 def fold_of(*kls: float, policy: RolloutConsistencySpec = POLICY) -> RolloutFold:
@@ -110,20 +112,24 @@ def test_the_status_written_is_the_crds_shape_with_the_last_figures_and_the_newe
     assert c["baselineKL"] == pytest.approx(0.002) and c["baselineSteps"] == 3
     assert "klThreshold" in c["lastBreach"]
     assert JobStatus.of(part).rollout is not None  # the model reads back what it wrote
-    assert StatusView({"rollout": part["rollout"]}).rollout_breaches == 1
+    assert StatusView({"rollout": part["rollout"]}).rollout_breach_since == 1004.0  # step 4's report
 
 
-def test_a_restarted_follower_does_not_report_the_breaches_status_counted() -> None:
-    job = {"metadata": {"name": "demo"}, "status": {"rollout": {"consistency": {"breaches": 1}}}}
-    fold = fold_for(POLICY, job)
+def test_a_restarted_follower_does_not_report_a_breach_status_shows_again() -> None:
+    first = fold_of(0.001, 0.05)
+    status = {"rollout": first.status().model_dump(mode="json", by_alias=True)}  # type: ignore[union-attr]
+    assert status["rollout"]["consistency"]["lastBreachTime"].startswith("1970-01-01T00:16:42")
+    fold = fold_for(POLICY, {"metadata": {"name": "demo"}, "status": status})
     for step, kl in enumerate((0.001, 0.05), 1):  # the stream replayed from its start
         fold.observe(report(step, kl))
-    news = RolloutNews.of(fold)
+    news = RolloutNews.of(fold, fold.status())
     assert news is not None and news.breach is None and news.consistent is False
     fold.observe(report(3, 0.001))
+    written = fold.status()  # what a status write carried
     fold.observe(report(4, 0.2))
-    news = RolloutNews.of(fold)
-    assert news is not None and news.breach is not None and news.breach.step == 4 and news.new_breaches == 1
+    assert RolloutNews.of(fold, written).breach is None  # type: ignore[union-attr]  # not in status yet
+    news = RolloutNews.of(fold, fold.status())
+    assert news is not None and news.breach is not None and news.breach.step == 4
 
 
 # The action (decide.py) ------------------------------------------------------------------------------------
