@@ -424,8 +424,8 @@ class WeightReader:
         t2 = time.perf_counter()
         wrong: list[str] = []
         if sums is not None and manifest.digest is not None:
-            installed = digest.SampleProgram.finish(sums)
-            wrong = digest.mismatches([e.name for e in manifest.entries], installed, manifest.digest.sums)
+            names = program.digests[manifest.digest.period].names  # the layout's, not built per step
+            wrong = digest.mismatches(names, digest.SampleProgram.finish(sums), manifest.digest.sums)
             seconds["digest"] = digest_s + time.perf_counter() - t2
         t2 = time.perf_counter()
         mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
