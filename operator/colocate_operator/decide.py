@@ -268,12 +268,17 @@ def decide(
         or any(pod.final_message for pod in current)
     )
     active = [pod for pod in current if pod.phase not in FINISHED and not pod.deleting]
+    # After the final record a pod whose trainer exited is done; its SGLang container never exits by itself,
+    # so the job ends now and deletes such pods (their GPUs go back), rather than waiting on the engine.
+    engines_left = [pod for pod in active if final_recorded and pod.trainer_exited]
+    active = [pod for pod in active if pod not in engines_left]
+    stop_engines = [PodRef(pod.name, pod.uid) for pod in engines_left]
     # A final record can say the training failed (`finish(ok=False)`): the run is over all the same (never
     # restarted), and the job ends Failed with the trainer's message; it (and its Kueue Workload) never
     # ends Succeeded. The stream's word wins over a termination message: one rank's failure fails the run.
     trainer_failure = final_failure(status) or (observed.final_failure if observed.final_record else None)
     if final_recorded and trainer_failure and (current or new["groupCreated"]) and not active:
-        return _fail(
+        return _fail(  # deletes the pods still running, engines_left among them
             p,
             new,
             Reason.TRAINING_FAILED,
@@ -288,7 +293,7 @@ def decide(
         )
         p.condition(Cond.SUCCEEDED, True, Reason.FINAL_STEP_RECORDED, message)
         p.event("Normal", Reason.JOB_SUCCEEDED, "All pods finished after the trainer recorded its final step")
-        return _plan(p, new, creates=creates, persist_first=True)
+        return _plan(p, new, creates=creates, deletes=stop_engines, persist_first=True)
 
     if lost_secret:
         message = (

@@ -89,6 +89,9 @@ class PodState:
     # The trainer container ended with the final record as its termination message (events.py): the pod's
     # own proof that training finished, kept with the pod whatever happened to the meta-store.
     final_message: bool = False
+    # The trainer container has terminated (any exit code). After the final record such a pod is done even
+    # while its SGLang container still serves: nothing else ever makes an engine exit on a real kubelet.
+    trainer_exited: bool = False
     # The SGLang (rollout) container: how often the kubelet restarted it in place (restartCount), whether it
     # is ready, its exit code while it is terminated, the last exit before a restart (lastState), and whether
     # the stored pod asks for in-place restarts (restartPolicyRules: an apiserver without the
@@ -136,6 +139,10 @@ class PodState:
                 and is_final_termination_message(
                     ((c.get("state") or {}).get("terminated") or {}).get("message")
                 )
+                for c in status.get("containerStatuses") or []
+            ),
+            trainer_exited=any(
+                c.get("name") == CONTAINER_TRAINER and (c.get("state") or {}).get("terminated") is not None
                 for c in status.get("containerStatuses") or []
             ),
             **_engine_facts(body),

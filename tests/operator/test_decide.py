@@ -961,3 +961,37 @@ def test_a_deleted_secret_with_no_restarts_left_fails_the_job() -> None:
     plan = run(running_status(), observed, factories.job(runPolicy={"maxRestarts": 0}))
     assert plan.status["phase"] == Phase.FAILED and plan.status["restarts"] == 0
     assert "was deleted" in cond(plan, Cond.FAILED)["message"]
+
+
+def test_after_the_final_record_a_pod_whose_trainer_exited_ends_its_engine() -> None:
+    """On a real kubelet the SGLang container never exits by itself: once the trainer recorded its final
+    step and its container terminated, the job ends and deletes the pods still serving."""
+    serving = replace(pod(0), final_message=True, trainer_exited=True)  # phase Running: the engine is up
+    observed = Observed(pods=(serving, pod(1, phase="Succeeded")), children=INFRA, metastore_ready=True)
+    plan = run(running_status(), replace(observed, final_record=True))
+    assert plan.status["phase"] == Phase.SUCCEEDED
+    assert [d.name for d in plan.deletes] == ["demo-0"]
+    # Before the trainer exits, the job waits for it (a final record with the trainer still running).
+    waiting = (replace(serving, trainer_exited=False), pod(1, phase="Succeeded"))
+    still = run(running_status(), replace(observed, pods=waiting, final_record=True))
+    assert still.status["phase"] != Phase.SUCCEEDED and still.deletes == ()
+    # Without a final record a trainer that exited is a failure to handle, never a success.
+    exited = (replace(serving, final_message=False), pod(1, phase="Succeeded"))
+    early = run(running_status(), replace(observed, pods=exited, final_record=False))
+    assert early.status["phase"] != Phase.SUCCEEDED
+
+
+def test_a_pod_body_says_when_its_trainer_container_terminated() -> None:
+    body = {
+        "metadata": {"name": "demo-0", "uid": "u"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": {"exitCode": 0}}},
+                {"name": "sglang", "state": {"running": {}}},
+            ],
+        },
+    }
+    assert PodState.from_body(body, "job-uid").trainer_exited
+    body["status"]["containerStatuses"][0]["state"] = {"running": {}}
+    assert not PodState.from_body(body, "job-uid").trainer_exited
