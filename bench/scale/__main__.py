@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds a run may wait for every pod Running before it stops as incomplete "
         "(default 180 + 2 per job)",
     )
+    parser.add_argument(
+        "--profile-idle",
+        action="store_true",
+        help="sample our operator with py-spy through the steady window (dev tool; it costs the "
+        "operator nothing measurable but the machine some CPU): <workdir>/operator-logs/<run>-idle.txt",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
     parser.add_argument(
         "--out",
@@ -122,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_seconds=args.steps,
                 repeat=repeat,
                 up_timeout=args.up_timeout,
+                profile_idle=args.profile_idle and operator != "kuberay",
             )
             try:
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))

@@ -12,9 +12,13 @@ Then the operator is stopped and the namespace deleted (pods force-deleted first
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +53,7 @@ class RunSpec:
     step_seconds: float = 60.0  # colocate only: how long every job reports one step per second
     repeat: int = 0  # which of the interleaved repetitions of this size
     up_timeout: float | None = None  # bound on the wait for every pod Running; None: 180 s + 2 s per job
+    profile_idle: bool = False  # py-spy samples our operator through the steady window (a dev tool)
 
     @property
     def timeout(self) -> float:
@@ -194,6 +199,50 @@ def _parts_cpu(bed: Testbed) -> dict[str, float]:
     return found | {"harness": own.user + own.system}
 
 
+def _profile(spec: RunSpec, operator: OperatorProcess) -> subprocess.Popen[bytes] | None:
+    """py-spy (a dev tool, `pip install py-spy`) samples the operator through the steady window, without
+    pausing it, into <logs>/<label>-idle.txt as collapsed stacks: where the idle CPU goes."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not os.path.exists(spy) or not spec.steady_seconds:
+        say("  --profile-idle: no py-spy found, not profiling")
+        return None
+    out = operator.log_path.parent / f"{spec.label}-idle.txt"
+    argv = [spy, "record", "--pid", str(operator.pid), "--duration", str(int(spec.steady_seconds))]
+    argv += ["--rate", "250", "--nonblocking", "--format", "raw", "--output", str(out)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of `pid` so far, by native thread id."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
+
+
+def _profiled(profiler: subprocess.Popen[bytes], operator: OperatorProcess, before: dict[int, float]) -> None:
+    """Waits for py-spy, then writes each thread's CPU over the window, named by a `py-spy dump`, into
+    <logs>/<label>-idle-threads.txt."""
+    try:
+        profiler.wait(30)
+    except subprocess.TimeoutExpired:
+        profiler.kill()
+        profiler.wait(5)
+    after = thread_cpu(operator.pid)
+    argv = [str(profiler.args[0]), "dump", "--pid", str(operator.pid), "--nonblocking"]
+    dump = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    named = dict(re.findall(r"^Thread (\d+) \(\w+\): \"([^\"]*)\"", dump, re.MULTILINE))
+    lines = [
+        f"{cpu - before.get(tid, 0.0):8.2f} s  {tid} {named.get(str(tid), '?')}"
+        for tid, cpu in sorted(after.items(), key=lambda kv: before.get(kv[0], 0.0) - kv[1])
+    ]
+    path = operator.log_path.parent / f"{operator.log_path.stem}-idle-threads.txt"
+    path.write_text("\n".join(lines) + "\n\n" + dump)
+
+
 def _busy(before: Any, after: Any) -> float:
     total = sum(after) - sum(before)
     idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
@@ -311,8 +360,12 @@ def _measure(
         pods, ready_at = tracker.snapshot()
         time.sleep(spec.settle_seconds)
         tl.t1, u1, a1 = time.time(), usage(operator.pid), usage(apiserver)
+        profiler = _profile(spec, operator) if spec.profile_idle else None
+        threads0 = thread_cpu(operator.pid)
         time.sleep(spec.steady_seconds)
         tl.t2, u2, a2 = time.time(), usage(operator.pid), usage(apiserver)
+        if profiler is not None:
+            _profiled(profiler, operator, threads0)
         final = _final_state(bed, workload, namespace)
         stepped = _step_phase(bed, spec, workload, namespace, list(created), operator.pid)
         hwm = peak_rss(operator.pid)
