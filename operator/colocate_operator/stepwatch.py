@@ -70,9 +70,12 @@ from colocate_runtime.contract.events import (
 
 log = logging.getLogger("colocate_operator.steps")
 
-# An XREAD blocks until new entries, and at most this long (then progress.caught_up_at moves on). Stopping
-# cancels the reader wherever it waits.
-READ_BLOCK_MAX_SECONDS = 10.0
+# The reader's wait for new entries (a blocking XREAD) lasts at most this long. One that runs out moves
+# progress.caught_up_at on without a read (nothing came), and the wait starts again: an idle endpoint costs
+# the operator one small request per this interval, whatever its number of jobs' streams (issue 35). The
+# catch-up barrier does not wait for it: asking a job's progress has its reader read at once (catch_up).
+# Stopping cancels the reader wherever it waits.
+READ_BLOCK_MAX_SECONDS = 30.0
 READ_COUNT = 100  # entries per stream and XREAD: bounds what a lagging job holds decoded at once
 # Entries per XREAD over all streams: the per-stream count shrinks with many jobs. A reply's entries are
 # all in memory at once (about 2 KB each as parsed), and the operator's peak memory follows the largest
@@ -87,7 +90,10 @@ READ_COUNT_MIN = 8
 # wake-up per interval (a batch each), not one per entry; a stream that filled its count is read at once.
 READ_BATCH_SECONDS = 0.1
 JOIN_SETTLE_SECONDS = 0.05  # jobs joining a reader at once (an operator's start) share one new XREAD
-DECISION_MAX_WAIT_SECONDS = 10.0
+# A job's follower sleeps until its next due decision (stall, coalesced write, heartbeat, retry, Event) or
+# its reader's news: at most this long, a safety net only. At 10 s, 250 idle jobs woke the event loop 25
+# times a second for nothing: a third of the idle operator's CPU (issue 35).
+DECISION_MAX_WAIT_SECONDS = 300.0
 DECISION_MIN_WAIT_SECONDS = 0.05
 WRITE_SETTLE_SECONDS = 0.25  # after a step boundary, the rest of a burst joins the same write
 WRITE_MIN_INTERVAL_SECONDS = 2.0  # status writes per job at most this often (a step per second: every 2nd)
@@ -330,9 +336,17 @@ class _Writes:
     view: JobView | None = None
 
 
-def decision_wait(tracker: StepTracker, writes: _Writes, dirty: bool, deadline: float, now: float) -> float:
+def decision_wait(
+    tracker: StepTracker,
+    writes: _Writes,
+    dirty: bool,
+    deadline: float,
+    now: float,
+    skips: _Skips | None = None,
+) -> float:
     """How long a job's writer may wait for its reader's news: until the next status decision that needs
-    no new entry (a stall to write, a coalesced write due, a heartbeat, a retry)."""
+    no new entry (a stall to write, a coalesced write due, a heartbeat, a retry, an Event about skipped
+    entries). Everything else that changes a decision wakes it (the reader's news, a pause)."""
     dues = [now + DECISION_MAX_WAIT_SECONDS]
     if (
         not writes.written_stalled
@@ -345,6 +359,8 @@ def decision_wait(tracker: StepTracker, writes: _Writes, dirty: bool, deadline: 
         dues.append(_write_due(writes))
     if tracker.current_phase != writes.written_phase:
         dues.append(max(writes.retry_at, writes.last_write + HEARTBEAT_SECONDS))
+    if skips is not None and skips.pending(tracker.dropped):
+        dues.append(skips.last_event + SKIP_EVENT_INTERVAL)  # a rate-limited Event about skipped entries
     return min(DECISION_MAX_WAIT_SECONDS, max(DECISION_MIN_WAIT_SECONDS, min(dues) - now))
 
 
@@ -371,6 +387,14 @@ class _Skips:
     oversized: int = 0  # entries over ENTRY_MAX_BYTES, left unread in the store
     largest: int = 0  # bytes of the largest of them since the last Event
     reported_oversized: int = 0
+
+    def pending(self, dropped: int) -> bool:
+        """Something not yet reported: skipped entries, or (`dropped`, the tracker's) GPUs/steps let go of."""
+        return (
+            self.count != self.reported_count
+            or self.oversized != self.reported_oversized
+            or dropped != self.reported_dropped
+        )
 
 
 @dataclass
@@ -408,6 +432,7 @@ class _Follow:
     last_id: str = "0-0"
     boundaries: int = 0  # step boundaries seen
     reads: int = 0  # XREADs that covered this stream
+    wakes: int = 0  # times its writer woke (news or a decision due): tests count them
     skips: _Skips = field(default_factory=_Skips)
     trim: _Trim = field(default_factory=_Trim)
     news: asyncio.Event = field(default_factory=asyncio.Event)  # the reader brought entries, or left
@@ -575,7 +600,9 @@ class _Reader:
         self.jobs: dict[str, _Follow] = {}
         self.xreads = 0
         self._turn = 0  # the stream read first rotates: a reply's byte bound favours none
-        self._joined = asyncio.Event()
+        self._joined = asyncio.Event()  # a job joined, or a catch-up was asked: read now
+        self._quiet = False  # the last wait ran out with nothing new: the next one needs no read first
+        self.waits_run_out = 0
         self._on_close = on_close
         self._task: asyncio.Task[None] | None = None
         self.closed = False
@@ -594,6 +621,11 @@ class _Reader:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"steps-reader:{id(self)}")
         return follow.lost
+
+    def catch_up(self) -> None:
+        """Read every stream now (the catch-up barrier asks), not when the wait runs out."""
+        if not self.closed:
+            self._joined.set()
 
     def detach(self, follow: _Follow) -> None:
         if self.jobs.get(follow.key) is follow:
@@ -624,8 +656,13 @@ class _Reader:
             await self.client.aclose()
 
     async def _read_once(self) -> None:
+        quiet = self._quiet and not self._joined.is_set()
         self._joined.clear()
+        self._quiet = False
         jobs = dict(self.jobs)
+        if quiet:  # nothing came during the last wait, and no job joined since: wait again, read nothing
+            await self._wait_for_entries(jobs)
+            return
         for key, follow in jobs.items():
             await follow.trim.maybe(self.client, key, follow.job)
         count = read_count(len(jobs))
@@ -653,8 +690,12 @@ class _Reader:
         await self._wait_for_entries(jobs)
 
     async def _wait_for_entries(self, jobs: dict[str, _Follow]) -> None:
-        """Until a stream has an entry after what was read, a job joins, or READ_BLOCK_MAX_SECONDS pass."""
+        """Until a stream has an entry after what was read, a job joins, a catch-up is asked, or
+        READ_BLOCK_MAX_SECONDS pass. A wait that ran out read nothing new: every stream is caught up to
+        when it began, with no read (a blocking XREAD that an entry ends early cannot take that long: one
+        that came in its last instant is after `issued`, and the next wait returns at once for it)."""
         streams = {key: follow.last_id for key, follow in jobs.items()}
+        issued, began = time.time(), time.monotonic()
         waiting = asyncio.ensure_future(self.bell.wait(streams, READ_BLOCK_MAX_SECONDS))
         joined = asyncio.ensure_future(self._joined.wait())
         try:
@@ -669,6 +710,15 @@ class _Reader:
             await asyncio.sleep(JOIN_SETTLE_SECONDS)
             return
         waiting.result()  # raises what the wait failed with
+        if self.bell.skips and time.monotonic() - began >= READ_BLOCK_MAX_SECONDS:
+            self._ran_out(jobs, issued)
+
+    def _ran_out(self, jobs: dict[str, _Follow], issued: float) -> None:
+        self._quiet = True
+        self.waits_run_out += 1
+        for key, follow in jobs.items():
+            if self.jobs.get(key) is follow:
+                follow.progress.caught_up_at = issued
 
     def _deliver(
         self, jobs: dict[str, _Follow], keys: list[str], reply: list[Any], issued: float
@@ -755,6 +805,11 @@ class Readers:
     def xreads(self) -> int:
         return sum(r.xreads for r in self._by_endpoint.values())
 
+    def catch_up(self) -> None:
+        """Every reader reads its streams now, not when its wait runs out (on the event loop)."""
+        for reader in list(self._by_endpoint.values()):
+            reader.catch_up()
+
     def _closed(self, key: tuple[str, str], reader: _Reader) -> None:
         if self._by_endpoint.get(key) is reader:
             del self._by_endpoint[key]
@@ -772,6 +827,7 @@ async def follow(
     body: dict[str, Any] | None = None,
     secret_reads: SecretReads | None = None,
     latest_view: Callable[[], JobView | None] | None = None,
+    news: asyncio.Event | None = None,
 ) -> None:
     """Follow one job's stream until cancelled (job deleted or operator exiting) or the job is gone.
 
@@ -782,12 +838,13 @@ async def follow(
     the operator's (a private set when None); `on_tracker` sees the tracker once it exists (tests measure
     its state). `body` is the job as its watch event brought it (read here when None); `secret_reads` the
     operator's recent Secret reads, which spare the first connection a read of an External store's Secret;
-    `latest_view` the job as its newest watch event showed it (a write starts from it when newer)."""
+    `latest_view` the job as its newest watch event showed it (a write starts from it when newer); `news`
+    the event that wakes its writer (the caller sets it when the job's pause changes)."""
     private = readers is None
     readers = Readers() if readers is None else readers  # an empty Readers is falsy (len)
     try:
         await _follow(
-            namespace, name, api, config, readers, on_tracker, progress, body, secret_reads, latest_view
+            namespace, name, api, config, readers, on_tracker, progress, body, secret_reads, latest_view, news
         )
     finally:
         if private:
@@ -805,6 +862,7 @@ async def _follow(
     body: dict[str, Any] | None,
     secret_reads: SecretReads | None,
     latest_view: Callable[[], JobView | None] | None = None,
+    news: asyncio.Event | None = None,
 ) -> None:
     if body is None:
         body = await readers.call(api.get, kube.COLOCATE_JOBS, namespace, name)
@@ -825,6 +883,8 @@ async def _follow(
         on_tracker(tracker)
     key = stream_key(namespace, name)
     state = _Follow(namespace, name, uid, key, tracker, progress or StreamProgress(), latest_view=latest_view)
+    if news is not None:
+        state.news = news
     writes = _Writes(view=JobView.of(body))
     body = event_subject(body)  # the follower lives as long as the job: it keeps what its Events name
     backoff = 1.0
@@ -882,9 +942,12 @@ async def _write_until_lost(
     """Write status as the reader brings news, until it lets go of the job. Raises JobGone."""
     tracker = state.tracker
     while not lost.done():
-        dirty = _note_boundaries(state, writes, time.time())
-        wait = decision_wait(tracker, writes, dirty, deadline, time.time())
+        now = time.time()
+        tracker.pause(state.progress.paused, now)  # a pause or resume that came while a write ran
+        dirty = _note_boundaries(state, writes, now)
+        wait = decision_wait(tracker, writes, dirty, deadline, now, state.skips)
         state.news.clear()
+        state.wakes += 1
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait):
                 await state.news.wait()
@@ -1053,17 +1116,31 @@ class StepWatchers:
         self._views: dict[
             tuple[str, str], JobView
         ] = {}  # each followed job as its newest watch event showed it
+        self._news: dict[tuple[str, str], asyncio.Event] = {}  # wakes a follower's writer
+        self._loop: asyncio.AbstractEventLoop | None = None  # the followers' (kopf's), once one started
 
     def __len__(self) -> int:
         return len(self._running)
 
     def set_paused(self, namespace: str, name: str, paused: bool) -> None:
-        """The job is Suspending or Suspended (or no longer): its follower counts no stall meanwhile."""
-        self._progress.setdefault((namespace, name), StreamProgress()).paused = paused
+        """The job is Suspending or Suspended (or no longer): its follower counts no stall meanwhile. A change
+        wakes the follower (it sleeps until its next decision: a resume starts its progress deadline)."""
+        progress = self._progress.setdefault((namespace, name), StreamProgress())
+        if progress.paused != paused:
+            progress.paused = paused
+            news = self._news.get((namespace, name))
+            if news is not None:
+                news.set()
 
     def stream_progress(self, namespace: str, name: str) -> StreamProgress | None:
-        """How far the job's follower has read (any thread may ask: the reconciler's workers do)."""
-        return self._progress.get((namespace, name))
+        """How far the job's follower has read (any thread may ask: the reconciler's workers do). Asking is
+        the catch-up barrier's (a pod exited without the final record in status): the readers read at once
+        rather than when their wait for new entries runs out, so the next pass has its answer."""
+        progress = self._progress.get((namespace, name))
+        if progress is not None and self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nothing to read for
+                self._loop.call_soon_threadsafe(self.readers.catch_up)
+        return progress
 
     def ensure(self, namespace: str, name: str, body: Mapping[str, Any] | None = None) -> None:
         """Start the job's follower unless it runs; `body` is the job as its watch event brought it."""
@@ -1072,6 +1149,7 @@ class StepWatchers:
             self._views[key] = JobView.of(body)  # type: ignore[arg-type]
         if key in self._running:
             return
+        self._loop = asyncio.get_running_loop()
         job = None if body is None else copy.deepcopy(dict(body))  # kopf keeps (and may change) its own
         self._running[key] = asyncio.get_running_loop().create_task(
             self._run(namespace, name, job), name=f"steps:{namespace}/{name}"
@@ -1093,6 +1171,7 @@ class StepWatchers:
     async def _run(self, namespace: str, name: str, body: dict[str, Any] | None) -> None:
         try:
             progress = self._progress.setdefault((namespace, name), StreamProgress())
+            news = self._news.setdefault((namespace, name), asyncio.Event())
             await follow(
                 namespace,
                 name,
@@ -1103,6 +1182,7 @@ class StepWatchers:
                 body=body,
                 secret_reads=self.secret_reads,
                 latest_view=lambda: self._views.get((namespace, name)),
+                news=news,
             )
         except Exception:
             log.exception(
@@ -1112,6 +1192,7 @@ class StepWatchers:
             self._running.pop((namespace, name), None)
             self._progress.pop((namespace, name), None)
             self._views.pop((namespace, name), None)
+            self._news.pop((namespace, name), None)
             metrics.forget_job(namespace, name)
 
 
