@@ -116,6 +116,7 @@ def contract_env(
         (env.STEP_TIMEOUT_SECONDS, spec.weight_sync.step_timeout_seconds),
         (env.TRANSPORT, spec.weight_sync.transport),
         (env.VERIFY, spec.weight_sync.verify),
+        (env.ROLLOUT_WEIGHTS, spec.weight_sync.rollout_weights),
         (env.IPC_PREFLIGHT, spec.weight_sync.ipc_preflight.mode),
         (env.IPC_PREFLIGHT_TIMEOUT_SECONDS, spec.weight_sync.ipc_preflight.timeout_seconds),
         (env.TRAIN_TP, train.tensor),

@@ -103,6 +103,7 @@ class WeightSyncSpec(_Model):
     step_timeout_seconds: int = 600
     progress_deadline_seconds: int = 3600
     verify: Literal["None", "SampledChecksum"] = "None"
+    rollout_weights: Literal["Auto", "BF16", "BlockFP8"] = "Auto"
     history_limit: int = 10
     ipc_preflight: IpcPreflightSpec = IpcPreflightSpec()
     rollout_consistency: RolloutConsistencySpec = RolloutConsistencySpec()

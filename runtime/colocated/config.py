@@ -23,6 +23,7 @@ from colocate_runtime.contract import env
 
 TRANSPORTS = env.TRANSPORT.choices
 VERIFY_MODES = env.VERIFY.choices
+ROLLOUT_WEIGHTS = env.ROLLOUT_WEIGHTS.choices
 PREFLIGHT_MODES = env.IPC_PREFLIGHT.choices
 # A step's keys outlive its slowest side by a whole step timeout; never below the shortest TTL used before.
 KEY_TTL_MIN_S = 600
@@ -72,6 +73,7 @@ class ColocateConfig:
     # Bounded: a worker side that never starts is an error; 0: forever.
     ipc_preflight_wait_s: float = float(env.IPC_PREFLIGHT_WAIT_SECONDS.default)
     weight_digest_period: int = env.WEIGHT_DIGEST_PERIOD.default  # 0: no weights check (digest.py)
+    rollout_weights: str = env.ROLLOUT_WEIGHTS.default  # Auto | BF16 | BlockFP8 (sglang/auto.py)
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -105,6 +107,10 @@ class ColocateConfig:
         if not 0 <= self.weight_digest_period <= 1 << 20:
             raise ConfigError(
                 f"{env.WEIGHT_DIGEST_PERIOD.name}={self.weight_digest_period}: expected 0 (off) to {1 << 20}"
+            )
+        if self.rollout_weights not in ROLLOUT_WEIGHTS:
+            raise ConfigError(
+                f"{env.ROLLOUT_WEIGHTS.name}={self.rollout_weights!r}: expected one of {ROLLOUT_WEIGHTS}"
             )
         if self.key_ttl_s < self.ipc_preflight_timeout_s:
             raise ConfigError(
@@ -156,4 +162,5 @@ class ColocateConfig:
             ipc_preflight_timeout_s=float(read(env.IPC_PREFLIGHT_TIMEOUT_SECONDS)),
             ipc_preflight_wait_s=float(read(env.IPC_PREFLIGHT_WAIT_SECONDS)),
             weight_digest_period=read(env.WEIGHT_DIGEST_PERIOD),
+            rollout_weights=read(env.ROLLOUT_WEIGHTS),
         )

@@ -238,6 +238,17 @@ ROLLOUT_PORT = Var(
     _CONFIG,
     source="`rollout.port`",
 )
+ROLLOUT_WEIGHTS = Var(
+    "COLOCATE_ROLLOUT_WEIGHTS",
+    str,
+    "Auto",
+    "how SGLang holds the weights: `Auto` (as its model config says), `BF16` (the model dtype) or "
+    "`BlockFP8` (e4m3 with 128x128 block scales, quantized on the copy); a declared format the engine's "
+    "config contradicts fails the first update with both named",
+    _CONFIG,
+    source="`weightSync.rolloutWeights`",
+    choices=("Auto", "BF16", "BlockFP8"),
+)
 SGLANG_API_KEY = Var(
     "SGLANG_API_KEY",
     str,
@@ -526,6 +537,7 @@ POD = (
     STEP_TIMEOUT_SECONDS,
     TRANSPORT,
     VERIFY,
+    ROLLOUT_WEIGHTS,
     IPC_PREFLIGHT,
     IPC_PREFLIGHT_TIMEOUT_SECONDS,
     ROLLOUT_PORT,

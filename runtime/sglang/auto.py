@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +31,12 @@ import torch.distributed as dist
 
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.exchange import allgather_json as exchange_allgather_json
+from colocate_runtime.colocated.fp8_block import BlockFp8
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.colocated.wiring import reshard_exchange
 from colocate_runtime.convert.errors import UnsupportedLayoutError
+from colocate_runtime.convert.fp8 import Fp8Quantization, fp8_quantization, read_fp8
 from colocate_runtime.convert.inference import InferenceRankPlan, inference_plan
 from colocate_runtime.convert.layout import SGLangLayout
 from colocate_runtime.convert.published import TrainerRecord, dims_differences, dims_of
@@ -289,6 +291,9 @@ class AutoWiring:
     exchange: ReshardExchange | None
     path: str  # "local" or "exchange"
     reason: str
+    # A block-FP8 engine: each e4m3 target's `weight_scale_inv` view, and the scales' format
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    fp8_format: BlockFp8 | None = None
 
 
 @dataclass(frozen=True)
@@ -359,6 +364,34 @@ def automatic_wiring(
     return _wire(model, cfg, worker, plans, trainer, inference)
 
 
+def engine_fp8(hf_config: Mapping[str, Any], declared: str) -> Fp8Quantization | None:
+    """The engine's block-FP8 quantization from its model config (None: it holds the model dtype), checked
+    against what the job declared (`COLOCATE_ROLLOUT_WEIGHTS`). The scale format is the engine's GPU's:
+    UE8M0 where SGLang's DeepGEMM asks for it."""
+    try:
+        quant = fp8_quantization(hf_config)
+    except UnsupportedLayoutError as err:
+        raise AutoWiringError(f"SGLang's model config: {err}") from None
+    says = "block FP8" if quant is not None else "the model dtype (no block-FP8 quantization_config)"
+    if (declared == "BlockFP8" and quant is None) or (declared == "BF16" and quant is not None):
+        raise AutoWiringError(
+            f"the job declares weightSync.rolloutWeights={declared}, SGLang's model config says {says}: "
+            "serve the checkpoint the job declares, or change the declaration"
+        )
+    if quant is None:
+        return None
+    return replace(quant, ue8m0=_deepgemm_wants_ue8m0())
+
+
+def _deepgemm_wants_ue8m0() -> bool:
+    """SGLang's own switch (deep_gemm_wrapper.DEEPGEMM_SCALE_UE8M0: DeepGEMM on sm100/sm120), else False."""
+    try:
+        from sglang.srt.layers import deep_gemm_wrapper  # type: ignore[import-not-found]
+    except Exception:  # no SGLang here, or one without DeepGEMM: fp32 scales
+        return False
+    return bool(getattr(deep_gemm_wrapper, "DEEPGEMM_SCALE_UE8M0", False))
+
+
 def _checked_plans(
     model: torch.nn.Module, record: TrainerRecord, engine: EngineArgs, worker: Worker
 ) -> RankPlans:
@@ -381,10 +414,14 @@ def _wire(
 ) -> AutoWiring:
     """The branch every worker takes alike (it decides on the gathered layouts, the same everywhere)."""
     params = dict(model.named_parameters())
-    targets, shards = {}, {}
-    for shard, view in plans.inference.read(params):
-        targets[shard.name] = view
-        shards[shard.name] = shard
+    quant = engine_fp8(hf_config_of(model), cfg.rollout_weights)
+    scales: dict[str, torch.Tensor] = {}
+    if quant is None:
+        targets = {shard.name: view for shard, view in plans.inference.read(params)}
+    else:
+        targets, scales = read_fp8(plans.inference, params, quant)
+    shards = {shard.name: shard for shard in plans.inference.shards()}
+    fmt = BlockFp8(quant.block, quant.ue8m0) if quant is not None else None
     record = plans.trainer
     sides = (
         f"trainer Megatron tp={record.layout.tp} ep={record.layout.ep} etp={record.layout.expert_tp} "
@@ -395,7 +432,13 @@ def _wire(
     if not missing:
         reason = f"every worker's targets are published on its own GPU ({sides})"
         log.info("colocated: automatic wiring, worker %d: local path: %s", worker.rank, reason)
-        return AutoWiring(targets, shards, None, "local", reason)
+        return AutoWiring(targets, shards, None, "local", reason, scales, fmt)
+    if quant is not None:
+        raise AutoWiringError(
+            f"the targets need slices published on other GPUs ({missing[0]}), and a block-FP8 engine is "
+            "written only from its own GPU's trainer rank (quantizing slices gathered from other GPUs is not "
+            "implemented): give the trainer and SGLang the same tensor parallelism"
+        )
     if worker.exchange_group is None:
         raise AutoWiringError(
             f"the targets need slices published on other GPUs ({missing[0]}), and the cross-GPU exchange "

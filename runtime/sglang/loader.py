@@ -247,6 +247,7 @@ def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
             refusal = _Refusal(why)
             return new_reader(cfg, {}, rank=rank, device=device, exchange=refusal, preflight=preflight)
         if wired is not None:
+            fp8 = {"scales": wired.scales, "fp8_format": wired.fp8_format} if wired.fp8_format else {}
             reader = new_reader(
                 cfg,
                 wired.targets,
@@ -256,6 +257,7 @@ def _new_reader(model: torch.nn.Module, cfg: ColocateConfig) -> WeightReader:
                 exchange=wired.exchange,
                 preflight=preflight,
                 finalize=finalize,
+                **fp8,
             )
             if wired.exchange is None:
                 # The local path copies what this GPU's trainer rank publishes; whole tensors it holds for

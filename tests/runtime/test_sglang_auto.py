@@ -314,3 +314,64 @@ def test_a_wiring_that_fails_becomes_a_reader_that_fails_the_step_with_why(
     with pytest.raises(StepFailed, match="failed on worker 1: no trainer record") as err:
         refusal(request)
     assert err.value.step == 4
+
+
+# --- an engine serving block FP8 ----------------------------------------------------------------------------
+
+# Every fused part whole 128-row blocks (SGLang refuses block-FP8 layouts that cut a block)
+QWEN3_BLOCKS = {**QWEN3, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4}
+QWEN3_BLOCKS.update(head_dim=32, intermediate_size=256)
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+}
+
+
+def fp8_model(model: dict[str, Any] = QWEN3_BLOCKS) -> FakeModel:
+    from colocate_runtime.convert.fp8 import fp8_layout, fp8_quantization
+    from colocate_runtime.dtypes import torch_dtype
+
+    config = {**model, "quantization_config": FP8_CONFIG}
+    plan = inference_plan(model_spec(model), SGLangLayout(tp=1), 0)
+    quant = fp8_quantization(config)
+    assert quant is not None
+    held = fp8_layout(plan, quant).values()
+    return FakeModel({h.name: torch.zeros(h.shape, dtype=torch_dtype(h.dtype)) for h in held}, config)
+
+
+def test_a_block_fp8_engine_gets_e4m3_targets_with_the_scale_rows_of_their_blocks() -> None:
+    model = fp8_model()
+    wired = wire(model, Records(**{"GPU-0": record(QWEN3_BLOCKS)}))
+    assert wired is not None and wired.fp8_format is not None and not wired.fp8_format.ue8m0
+    layer = "model.layers.0.self_attn"
+    qkv_scale = model._params[f"{layer}.qkv_proj.weight_scale_inv"]  # rows: q 256, k 128, v 128 -> 4 blocks
+    assert qkv_scale.shape == (4, 2)
+    for part, rows in (("q", (0, 2)), ("k", (2, 3)), ("v", (3, 4))):
+        target = wired.targets[f"{layer}.{part}_proj.weight"]
+        scale = wired.scales[f"{layer}.{part}_proj.weight"]
+        assert target.dtype == torch.float8_e4m3fn
+        assert (
+            scale.data_ptr() == qkv_scale[rows[0] : rows[1]].data_ptr()
+            and scale.shape[0] == rows[1] - rows[0]
+        )
+    assert "model.norm.weight" in wired.targets and "model.norm.weight" not in wired.scales  # BF16 stays
+
+
+def test_a_declared_weight_format_the_engine_contradicts_is_refused_naming_both() -> None:
+    store = Records(**{"GPU-0": record(QWEN3_BLOCKS)})
+    with pytest.raises(AutoWiringError, match=r"rolloutWeights=BF16, SGLang's model config says block FP8"):
+        wire(fp8_model(), store, replace(CFG, rollout_weights="BF16"))
+    bf16 = FakeModel(
+        {
+            n: torch.zeros(s, dtype=torch.bfloat16)
+            for n, s in inference_plan(model_spec(QWEN3_BLOCKS), SGLangLayout(tp=1), 0).param_shapes().items()
+        },
+        QWEN3_BLOCKS,
+    )
+    with pytest.raises(
+        AutoWiringError, match=r"rolloutWeights=BlockFP8, SGLang's model config says the model dtype"
+    ):
+        wire(bf16, store, replace(CFG, rollout_weights="BlockFP8"))
+    assert wire(fp8_model(), store, replace(CFG, rollout_weights="BlockFP8")) is not None
