@@ -2,7 +2,9 @@
 the rollout engine of the same pod (the SGLang stand-in), through the real Redis meta-store.
 
 Configuration is the pod's environment as the operator built it (COLOCATE_*), plus DEMO_STEPS.
-Prints one JSON line per step for the demo driver.
+Prints one JSON line per step for the demo driver. Every step also reports the engine's log-probs of the
+tokens it generated against the trainer's own (runtime/consistency.py): the operator's
+status.rollout.consistency and RolloutConsistent.
 
 When SGLang alone restarts (its container restarted in place, the trainer running on), the trainer waits
 for it to serve, pushes its current weights to it again (colocated/repush.py: the last step once more, no
@@ -24,6 +26,7 @@ import requests
 import torch
 import torch.nn.functional as F
 
+from colocate_runtime import consistency
 from colocate_runtime.colocated.config import ColocateConfig
 from colocate_runtime.colocated.outcome import StepFailed, StepReport
 from colocate_runtime.colocated.repush import EngineWatch, push_again
@@ -49,20 +52,41 @@ def forward(params: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     return h @ params["lm_head"].t()
 
 
-def rollout_rewards(url: str, vocab: int, prompts: int = 8) -> float:
-    """Greedy continuations of random prompts; reward = share of tokens that continue the count."""
+Rollouts = list[tuple[list[int], list[int], list[float]]]  # prompt, completion, the engine's log-probs
+
+
+def rollout_rewards(url: str, vocab: int, prompts: int = 8) -> tuple[float, Rollouts]:
+    """Greedy continuations of random prompts with the engine's log-probs of them; reward = share of tokens
+    that continue the count."""
     correct = total = 0
+    rollouts: Rollouts = []
     for start in torch.randint(0, vocab, (prompts,)).tolist():
         prompt = [(start + i) % vocab for i in range(4)]
-        out = requests.post(
+        answer = requests.post(
             f"{url}/generate",
-            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}},
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "return_logprob": True},
             timeout=30,
-        ).json()["output_ids"]
+        ).json()
+        out = answer["output_ids"]
+        rollouts.append((prompt, out, [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]))
         expected = [(prompt[-1] + 1 + i) % vocab for i in range(len(out))]
         correct += sum(a == b for a, b in zip(out, expected, strict=True))
         total += len(out)
-    return correct / max(1, total)
+    return correct / max(1, total), rollouts
+
+
+def report_rollout(
+    writer: WeightWriter, step: int, master: dict[str, torch.Tensor], rollouts: Rollouts
+) -> consistency.RolloutFigures:
+    """The trainer's log-probs of the engine's tokens (its fp32 weights, before this step's update) against
+    the engine's, as one rollout record for the operator."""
+    with torch.no_grad():
+        seqs = torch.tensor([prompt + out for prompt, out, _ in rollouts])
+        logits = forward(master, seqs[:, :-1])[:, len(rollouts[0][0]) - 1 :]
+        mine = torch.log_softmax(logits, -1).gather(-1, seqs[:, len(rollouts[0][0]) :, None])[..., 0]
+    figures = consistency.compare(mine, torch.tensor([lps for _, _, lps in rollouts]))
+    writer.store.emit(writer.source.rollout(writer.gen or 0, step, figures))
+    return figures
 
 
 def engine_weights_match(url: str, model: TinyLM) -> bool:
@@ -161,7 +185,10 @@ def main() -> int:
         for step in range(1, steps + 1):
             step_started = time.perf_counter()
             # The RL rollout, served by the engine (after a recovery if SGLang restarted alone).
-            rewards = engine.serve(writer, model, lambda: rollout_rewards(engine.client.base_url, vocab))
+            rewards, rollouts = engine.serve(
+                writer, model, lambda: rollout_rewards(engine.client.base_url, vocab)
+            )
+            drift = report_rollout(writer, step, master, rollouts)
             time.sleep(max(0.0, pace - (time.perf_counter() - step_started)))  # a watchable pace
             engine.serve(writer, model, lambda: engine.rollout.before_training())  # pause, release
             t0 = time.perf_counter()
@@ -198,6 +225,7 @@ def main() -> int:
                         "sync_s": round(sync_s, 4),
                         "bytes": report.bytes,
                         "rollout_matches_trainer": matches,
+                        "kl": drift.kl,
                         "rollout": out["output_ids"],
                     }
                 ),

@@ -33,3 +33,4 @@ def test_demo_runs_weight_update_steps_into_status(tmp_path: Path) -> None:
     assert [row[0] for row in rows] == ["1", "2", "3"]
     assert all(row[3] == "Succeeded" and row[-3:] == ["yes,", "every", "pod"] for row in rows)
     assert "WeightSyncHealthy=True" in summary and "Succeeded=True" in summary
+    assert "RolloutConsistent=True" in summary  # the trainer reported its rollouts every step (issue 32)

@@ -69,6 +69,7 @@ def test_megatron_example_runs_as_documented_bitwise_every_step(
     assert [row[0] for row in rows] == [str(s) for s in range(1, steps + 1)]
     assert all(row[3] == "Succeeded" and row[-3:] == ["yes,", "every", "pod"] for row in rows), rows
     assert "Succeeded=True" in out[out.index("7/7 summary") :]
+    assert "RolloutConsistent=True" in out[out.index("7/7 summary") :]  # report_rollout every step
     check = tmp_path / "demo" / "check"
     assert sorted(p.name for p in check.glob("trainer-step-*.pt")) == [
         f"trainer-step-{s}.pt" for s in range(1, steps + 1)

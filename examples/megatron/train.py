@@ -7,6 +7,8 @@ Every rank builds the same Megatron model (tensor / expert parallel sizes from t
 engine asks it over HTTP; every rank gets the batch), rewards score them, a policy-gradient step trains on
 group-normalized advantages, and `Publisher.update` moves the new weights into SGLang. Nothing else is glue:
 the Publisher reads the layout from Megatron, SGLang's loader builds its side from the trainer's record.
+Every step also reports how far SGLang's log-probs of the tokens it sampled are from the trainer's own
+(`Publisher.report_rollout`): the operator shows it in status.rollout.consistency and acts on a breach.
 
 `--check` also compares, after every step, SGLang's greedy output with transformers' greedy output from the
 trainer's weights (gathered to rank 0), and saves those weights for a bitwise comparison (`--check-dir`).
@@ -76,8 +78,11 @@ def setup(args: argparse.Namespace) -> tuple[dict[str, Any], Any, Any]:
     return hf, model, build_optimizer(model, args.lr)
 
 
-def rollout(publisher: Publisher, args: argparse.Namespace, vocab: int, step: int) -> torch.Tensor:
-    """Sampled sequences (prompt + completion) of every pod, the same on every rank."""
+def rollout(
+    publisher: Publisher, args: argparse.Namespace, vocab: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled sequences (prompt + completion) of every pod and SGLang's log-probs of the completion tokens
+    (`return_logprob`), the same on every rank."""
     mine = None
     if publisher.rollout is not None:  # this pod's engine, asked by the one rank that speaks to it
         gen = torch.Generator().manual_seed(step * 1000 + publisher.agree.rank)
@@ -92,14 +97,19 @@ def rollout(publisher: Publisher, args: argparse.Namespace, vocab: int, step: in
                     "max_new_tokens": args.new_tokens,
                     "ignore_eos": True,
                 },
+                "return_logprob": True,
             },
             timeout=120,
         )
         outs.raise_for_status()
-        mine = [p + o["output_ids"] for p, o in zip(prompts, outs.json(), strict=True)]
+        mine = [
+            (p + o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+            for p, o in zip(prompts, outs.json(), strict=True)
+        ]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return torch.tensor([seq for pod in every if pod is not None for seq in pod])
+    pairs = [pair for pod in every if pod is not None for pair in pod]
+    return torch.tensor([seq for seq, _ in pairs]), torch.tensor([lps for _, lps in pairs])
 
 
 def rewards(seqs: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -110,16 +120,25 @@ def rewards(seqs: torch.Tensor, vocab: int) -> torch.Tensor:
     return (seqs[:, PROMPT_LEN:] == expected).float().mean(dim=1)
 
 
-def train_step(model: Any, optimizer: Any, seqs: torch.Tensor, reward: torch.Tensor, group: int) -> float:
-    """One policy-gradient step on this data-parallel rank's share: advantages normalized per prompt group,
-    loss = mean over completion tokens of advantage x (-log p)."""
+def dp_share(rows: torch.Tensor) -> torch.Tensor:
+    """This data-parallel rank's share of the step's sequences."""
     from megatron.core import parallel_state
+
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    return rows[dp_rank::dp]
+
+
+def train_step(
+    model: Any, optimizer: Any, seqs: torch.Tensor, reward: torch.Tensor, group: int
+) -> tuple[float, torch.Tensor]:
+    """One policy-gradient step on this data-parallel rank's share: advantages normalized per prompt group,
+    loss = mean over completion tokens of advantage x (-log p). Also returns the trainer's log-probs of the
+    share's completion tokens, from the forward pass before the update (the weights SGLang sampled with)."""
     from megatron.core.distributed import finalize_model_grads
 
     grouped = reward.view(-1, group)
     adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    seqs, adv = seqs[dp_rank::dp], adv[dp_rank::dp]
+    seqs, adv = dp_share(seqs), dp_share(adv)
     tokens, labels = seqs[:, :-1], seqs[:, 1:]
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)
@@ -132,7 +151,7 @@ def train_step(model: Any, optimizer: Any, seqs: torch.Tensor, reward: torch.Ten
     loss.backward()
     finalize_model_grads([model])  # DP reduce-scatter, and the TP all-reduce of replicated norms (q/k norm)
     optimizer.step()
-    return float(loss)
+    return float(loss), -completion.detach()
 
 
 def main() -> int:
@@ -147,10 +166,13 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             publisher.before_rollout()  # SGLang restarted alone? it gets the trainer's weights again
-            seqs = rollout(publisher, args, vocab, step)
+            seqs, engine_logprobs = rollout(publisher, args, vocab, step)
             reward = rewards(seqs, vocab)
             publisher.before_training()
-            loss = train_step(model, optimizer, seqs, reward, args.samples)
+            loss, logprobs = train_step(model, optimizer, seqs, reward, args.samples)
+            # SGLang's log-probs of the tokens it sampled against the trainer's (this rank's share): to the
+            # operator (status.rollout.consistency), reduced over the data-parallel ranks
+            drift = publisher.report_rollout(step, logprobs, dp_share(engine_logprobs).to(logprobs.device))
             t1 = time.perf_counter()
             report = publisher.update(step)
             line = {
@@ -160,6 +182,8 @@ def main() -> int:
                 "sync_s": round(time.perf_counter() - t1, 4),
                 "step_s": round(time.perf_counter() - t0, 3),
                 "bytes": report.bytes,
+                "kl": drift.kl,
+                "logp_diff_max": round(drift.diff_max, 6),
             }
             if args.check:
                 from check import check_step

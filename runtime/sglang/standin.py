@@ -75,6 +75,11 @@ class TinyLM(nn.Module):
         return h @ self.lm_head.float().t()
 
     @torch.no_grad()
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """Log-probs of the next token at each position (the engine's own, as SGLang's return_logprob)."""
+        return torch.log_softmax(self.logits(torch.tensor(ids)), dim=-1)
+
+    @torch.no_grad()
     def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
         seq = list(ids)
         for _ in range(max_new_tokens):
@@ -185,10 +190,14 @@ class StandinState:
         try:
             ids = [int(x) for x in body["input_ids"]]
             n = int(body.get("sampling_params", {}).get("max_new_tokens", 8))
-            return 200, {
-                "output_ids": self.model.greedy(ids, n),
-                "meta_info": {"weight_version": self.weight_version},
-            }
+            out = self.model.greedy(ids, n)
+            meta: dict[str, Any] = {"weight_version": self.weight_version}
+            if body.get("return_logprob"):  # SGLang's shape: [logprob, token id, text] per output token
+                logprobs = self.model.logprobs(ids + out)[len(ids) - 1 : -1]
+                meta["output_token_logprobs"] = [
+                    [float(lp[t]), t, None] for lp, t in zip(logprobs, out, strict=True)
+                ]
+            return 200, {"output_ids": out, "meta_info": meta}
         finally:
             with self.lock:
                 self.generating -= 1

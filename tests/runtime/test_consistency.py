@@ -109,3 +109,19 @@ def test_report_rollout_reduces_over_the_data_parallel_group() -> None:
         assert got.tokens == 60
         assert got.kl == pytest.approx(whole.kl) and got.diff_max == pytest.approx(whole.diff_max)
         assert got.diff_mean == pytest.approx(whole.diff_mean)
+
+
+def test_the_documented_call_is_an_excerpt_of_the_example_that_runs_and_the_yaml_the_crds_defaults() -> None:
+    """docs/rollout-consistency.md: its trainer snippet is verbatim examples/megatron/train.py (which
+    tests/test_demo_megatron.py runs), its spec block the CRD's defaults."""
+    import yaml
+
+    from colocate_operator.spec import RolloutConsistencySpec
+    from tests.test_doc_snippets import ROOT, TRAINER, blocks, is_excerpt
+
+    doc = ROOT / "docs" / "rollout-consistency.md"
+    (snippet,) = [s for s in blocks(doc, "python") if "report_rollout" in s]
+    assert is_excerpt(snippet, TRAINER.read_text())
+    (spec,) = [yaml.safe_load(s) for s in blocks(doc, "yaml")]
+    documented = spec["spec"]["weightSync"]["rolloutConsistency"]
+    assert documented == RolloutConsistencySpec().model_dump(by_alias=True)
