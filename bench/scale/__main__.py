@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 180 + 2 per job)",
     )
     parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="create the jobs at this many a second, evenly spaced (default: all at once); the times "
+        "until Running per job then matter more than the time until all pods are Running",
+    )
+    parser.add_argument(
         "--profile-idle",
         action="store_true",
         help="sample our operator with py-spy through the steady window (dev tool; it costs the "
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 repeat=repeat,
                 up_timeout=args.up_timeout,
                 profile_idle=args.profile_idle and operator != "kuberay",
+                rate=args.rate,
             )
             try:
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))

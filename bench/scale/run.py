@@ -54,15 +54,19 @@ class RunSpec:
     repeat: int = 0  # which of the interleaved repetitions of this size
     up_timeout: float | None = None  # bound on the wait for every pod Running; None: 180 s + 2 s per job
     profile_idle: bool = False  # py-spy samples our operator through the steady window (a dev tool)
+    rate: float | None = None  # jobs created per second, evenly spaced; None: all at once (back to back)
 
     @property
     def timeout(self) -> float:
         """Bound on the wait for every pod Running: a run past it stops and is recorded as incomplete."""
-        return self.up_timeout if self.up_timeout is not None else 180.0 + 2.0 * self.jobs
+        if self.up_timeout is not None:
+            return self.up_timeout
+        return 180.0 + 2.0 * self.jobs + (self.jobs / self.rate if self.rate else 0.0)
 
     @property
     def label(self) -> str:
-        return f"{self.operator}-{self.jobs}-{self.repeat}"
+        paced = f"-r{self.rate:g}".replace(".", "p") if self.rate else ""
+        return f"{self.operator}-{self.jobs}{paced}-{self.repeat}"
 
 
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -267,12 +271,16 @@ class _Timeline:
 
 
 def _create_jobs(
-    bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline
+    bed: Testbed, workload: Workload, namespace: str, jobs: int, tl: _Timeline, rate: float | None = None
 ) -> dict[str, float]:
+    """Creates the jobs back to back, or `rate` a second (the i-th at t0 + i / rate: the way users create
+    them, so the apiserver's queue is not full of the harness's creates while the operator works)."""
     created: dict[str, float] = {}
     metastore = bed.redis.addr if workload.operator == "colocate" and bed.redis else ""
     tl.t0 = time.time()
     for i in range(jobs):
+        if rate:
+            time.sleep(max(0.0, tl.t0 + i / rate - time.time()))
         name = job_name(i)
         try:
             bed.api.create(workload.path(namespace), workload.manifest(namespace, name, metastore))
@@ -352,7 +360,7 @@ def _measure(
         time.sleep(2)  # watches established, operator idle
         u0, a0, m0 = usage(operator.pid), usage(apiserver), psutil.cpu_times()
         parts0 = _parts_cpu(bed)
-        created = _create_jobs(bed, workload, namespace, spec.jobs, tl)
+        created = _create_jobs(bed, workload, namespace, spec.jobs, tl, spec.rate)
         _wait_up(spec, tracker, operator, tl)
         ud, ad, md = usage(operator.pid), usage(apiserver), psutil.cpu_times()
         parts = {name: cpu - parts0.get(name, 0.0) for name, cpu in _parts_cpu(bed).items()}
