@@ -136,9 +136,10 @@ case "${1:-}" in
     bench) shift; setup_device; run_bench "$@" ;;
     copy) shift; setup_device; run_bench --role copy "$@" ;;
     step) shift; setup_device; python3 bench/step_bench.py "$@" ;;
+    fp8-copy) shift; setup_device; python3 bench/fp8_copy_bench.py "$@" ;;
     hops) shift; setup_device; python3 -m bench.hop_bench "$@" ;;
     all) shift; setup_device; status=0; run_tests || status=$?; run_bench "$@"; exit $status ;;
     sglang-gpu) shift; setup_sglang_gpu; python3 bench/sglang_gpu.py "$@" ;;
     sglang-classes) shift; sglang_classes "$@" ;;
-    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|hops [args]|all [args]|sglang-gpu [args]|sglang-classes [args]"; exit 2 ;;
+    *) echo "usage: $0 prepare|test|gpu-tests|bench [args]|copy [args]|step [args]|fp8-copy [args]|hops [args]|all [args]|sglang-gpu [args]|sglang-classes [args]"; exit 2 ;;
 esac

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,10 +32,16 @@ from colocate_runtime.colocated.fp8_block import BLOCK, BlockFp8
 log = logging.getLogger(__name__)
 
 WARPS = 8
+NATIVE_CAST = False  # the GPU's own e4m3 conversion instead of the integer rounding (bench/fp8_copy_bench.py)
 FP32_SCALES = BlockFp8()  # the default: fp32 scales (SGLang on Hopper)
 
 
 @functools.cache
+def _interpreted() -> bool:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1) has no native e4m3 conversion worth trusting."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
 def _kernel_module() -> ModuleType | None:
     try:
         from colocate_runtime.colocated import fp8_kernel
@@ -92,6 +99,7 @@ class BlockTable:
                 BM=self.fmt.block[0],
                 BK=self.fmt.block[1],
                 FULL=full,
+                NATIVE=NATIVE_CAST and not _interpreted(),
                 num_warps=WARPS,
             )
 

@@ -32,6 +32,13 @@ SHAPES = {
 }
 
 
+@pytest.fixture(params=[False, True], ids=["int-rounding", "native-cast"], autouse=True)
+def cast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every check with the kernel's integer e4m3 rounding and with the GPU's own conversion."""
+    monkeypatch.setattr(fp8_copy, "NATIVE_CAST", request.param)
+    return bool(request.param)
+
+
 def weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, generator=g, device="cuda")
