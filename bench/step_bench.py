@@ -152,10 +152,12 @@ def digest(t):  # type: ignore[no-untyped-def]
 def run_reader(args: argparse.Namespace) -> None:
     import torch
 
+    from colocate_runtime.colocated import fp8_copy
     from colocate_runtime.colocated.config import ColocateConfig
     from colocate_runtime.colocated.wiring import new_reader
     from colocate_runtime.shards import TensorShard
 
+    fp8_copy.NATIVE_CAST = args.fp8_native_cast
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -372,6 +374,7 @@ def run_mode(
             str(args.steps),
             "--target-dtype",
             target,
+            *(["--fp8-native-cast"] if args.fp8_native_cast else []),
         ],
         env={
             **os.environ,
@@ -462,6 +465,7 @@ def run_mode(
         "preset": name,
         "mode": mode,
         "target_dtype": target,
+        "fp8_native_cast": args.fp8_native_cast if target != "bfloat16" else None,
         "via": "publisher" if publisher is not None else "writer",
         "ms": med(timed, "total"),
         "floor_ms": floor_s * 1e3,
@@ -584,6 +588,11 @@ def main() -> None:
         choices=TARGET_DTYPES,
         default=["bfloat16"],
         help="what SGLang holds: bfloat16, or block FP8 (quantized on the copy); several: one row each",
+    )
+    p.add_argument(
+        "--fp8-native-cast",
+        action="store_true",
+        help="block FP8: the kernel uses the GPU's own e4m3 conversion (fp8_copy.NATIVE_CAST)",
     )
     p.add_argument("--no-save", action="store_true", help="do not append to bench/results/step.jsonl")
     p.add_argument(
