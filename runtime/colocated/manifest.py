@@ -52,7 +52,7 @@ class BucketRecord:
 @dataclass(frozen=True, slots=True)
 class WeightDigest:
     """The trainer's weights check of one step (digest.py): every `period` steps cover every byte; `sums`
-    holds one little-endian uint32 per entry, in entry order."""
+    holds one little-endian uint16 per entry, in entry order."""
 
     period: int
     chunk: int
@@ -371,7 +371,7 @@ def _digest(raw: Any, entries: int) -> WeightDigest | None:
     period, chunk, sums = raw.get("period"), raw.get("chunk"), raw.get("sums")
     if type(period) is not int or type(chunk) is not int or not isinstance(sums, bytes):
         raise ManifestError("manifest digest needs integers period and chunk and bytes sums")
-    if not 1 <= period <= 1 << 20 or chunk not in (8, 16, 32, 64, 128) or len(sums) != 4 * entries:
+    if not 1 <= period <= 1 << 20 or chunk not in (8, 16, 32, 64, 128) or len(sums) != 2 * entries:
         raise ManifestError(
             f"manifest digest (period {period}, chunk {chunk}, {len(sums)} bytes) does not fit its "
             f"{entries} entries"

@@ -176,7 +176,10 @@ def kernel_matches_torch() -> None:
     for make in LAYOUTS.values():
         layout = make(device)
         for period in (1, 3, 1024):
-            for program in (layout.trainer(period, device), layout.reader(period, device)):
+            reader = layout.reader(period, device)
+            if make is _packed:  # both launches: segments on chunk boundaries, and not ("w", "down")
+                assert 0 < reader.aligned < reader.nchunks
+            for program in (layout.trainer(period, device), reader):
                 assert program._kernel is not None
                 for step in (1, 2, 17):
                     got = program.launch(step, layout.buckets.__getitem__).clone()
@@ -319,11 +322,11 @@ def _manifest(entries: tuple[PlacedEntry, ...], check: WeightDigest | None) -> M
 def test_the_manifest_carries_the_digest_and_refuses_one_that_does_not_fit() -> None:
     plan = plan_buckets([EntrySpec("a", "bfloat16", (4,)), EntrySpec("b", "float32", (2,))], 1 << 10)
     buckets = tuple(BucketRecord(b.index, b.dtype, b.nbytes, {}) for b in plan.buckets)
-    check = WeightDigest(16, 32, bytes(range(8)))
+    check = WeightDigest(16, 32, bytes(range(4)))  # 2 bytes an entry
     m = dataclasses.replace(_manifest(plan.entries, check), buckets=buckets)
     assert decode_manifest(encode_manifest(m)).digest == check
     assert decode_manifest(encode_manifest(dataclasses.replace(m, digest=None))).digest is None
-    for bad in (WeightDigest(16, 32, bytes(4)), WeightDigest(0, 32, bytes(8)), WeightDigest(16, 3, bytes(8))):
+    for bad in (WeightDigest(16, 32, bytes(8)), WeightDigest(0, 32, bytes(4)), WeightDigest(16, 3, bytes(4))):
         with pytest.raises(ManifestError, match="digest"):
             decode_manifest(encode_manifest(dataclasses.replace(m, digest=bad)))
 
