@@ -77,6 +77,21 @@ VIOLATIONS = [
         "from colocate_runtime.colocated import transport",
         "colocated: data below transports and services below copy programs below facades",
     ),
+    (
+        "colocate_operator/decide.py",
+        "from colocate_operator import kube",
+        "operator: the pure layer (decisions, builders, spec, status) does no I/O",
+    ),
+    (
+        "colocate_operator/spec.py",
+        "import threading",
+        "operator: the pure layer (decisions, builders, spec, status) does no I/O",
+    ),
+    (
+        "colocate_operator/status.py",
+        "from colocate_operator import steps",
+        "operator: wiring above I/O services above decisions above builders above plain data",
+    ),
 ]
 
 
