@@ -2,7 +2,7 @@
 
 The operator renders the worker pods' environment from it (`colocate_operator.pods`), the runtime parses with
 it (`colocated.config.ColocateConfig.from_env`), and operator/README.md's tables are generated from it
-(`python -m colocate_runtime.contract.env --write operator/README.md`; a test fails when they differ). The
+(`python tools/env_readme.py --write operator/README.md`; a test fails when they differ). The
 operator's own settings (its Deployment's environment, read by `colocate_operator.config`) are listed too, so
 that one place holds every name; tests compare them with that module.
 
@@ -17,11 +17,8 @@ Not listed: the development tools' own switches (`COLOCATE_BIN_DIR`, `COLOCATE_D
 
 from __future__ import annotations
 
-import argparse
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 RUNTIME = "runtime"
 TRAINER = "user's trainer"
@@ -588,66 +585,3 @@ TABLE = POD + OPERATOR_SETTINGS
 BY_NAME = {var.name: var for var in TABLE}
 if len(BY_NAME) != len(TABLE):
     raise RuntimeError("a variable is listed twice in the table")
-
-
-# --- operator/README.md's tables, generated ---------------------------------------------------------------
-def markdown(variables: Iterable[Var], *, with_source: bool) -> str:
-    """A Markdown table of `variables` (operator/README.md holds these between marker comments)."""
-    head = ["variable", "type", "default", "read by", "meaning"] + (["set from"] if with_source else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for var in variables:
-        kind = "secret" if var.secret else var.kind.__name__
-        if var.choices:
-            kind = " \\| ".join(f"`{c}`" for c in var.choices)
-        default = var.default_text()
-        if var.operator_default is not None:
-            default += f" (operator: `{var.operator_default}`)"
-        row = [f"`{var.name}`", kind, default, var.read_by, var.meaning]
-        if with_source:
-            row.append(var.source or "not injected")
-        lines.append("| " + " | ".join(cell.replace("\n", " ") for cell in row) + " |")
-    return "\n".join(lines)
-
-
-BLOCKS = {
-    "pod-env": lambda: markdown(POD, with_source=True),
-    "operator-env": lambda: markdown(OPERATOR_SETTINGS, with_source=False),
-}
-
-
-def _block_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"(<!-- BEGIN {name}: generated[^\n]*-->\n)(.*?)(\n<!-- END {name} -->)", re.S)
-
-
-def readme_blocks(text: str) -> dict[str, str]:
-    """The generated blocks as a README holds them (a missing block is missing from the result)."""
-    found = {}
-    for name in BLOCKS:
-        match = _block_pattern(name).search(text)
-        if match:
-            found[name] = match.group(2)
-    return found
-
-
-def rewrite(text: str) -> str:
-    for name, render in BLOCKS.items():
-        pattern = _block_pattern(name)
-        if not pattern.search(text):
-            raise EnvError(f"no '<!-- BEGIN {name}: generated ... -->' block in the README")
-        text = pattern.sub(lambda m, r=render: m.group(1) + r() + m.group(3), text)
-    return text
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write the COLOCATE_* tables into operator/README.md.")
-    parser.add_argument("--write", type=Path, metavar="README", help="rewrite its generated blocks in place")
-    args = parser.parse_args(argv)
-    if args.write is None:
-        for render in BLOCKS.values():
-            print(render(), end="\n\n")
-        return
-    args.write.write_text(rewrite(args.write.read_text()))
-
-
-if __name__ == "__main__":
-    main()

@@ -18,6 +18,7 @@ from colocate_runtime.colocated.config import ColocateConfig, ConfigError
 from colocate_runtime.contract import env
 from colocate_runtime.p2p import config as p2p_config
 from tests.operator import factories
+from tools import env_readme
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
@@ -219,12 +220,12 @@ def test_crd_defaults_agree_with_the_table() -> None:
 
 def test_operator_readme_tables_are_generated_from_the_table() -> None:
     text = (ROOT / "operator" / "README.md").read_text()
-    blocks = env.readme_blocks(text)
-    assert set(blocks) == set(env.BLOCKS)
-    for name, render in env.BLOCKS.items():
+    blocks = env_readme.readme_blocks(text)
+    assert set(blocks) == set(env_readme.BLOCKS)
+    for name, render in env_readme.BLOCKS.items():
         assert blocks[name] == render(), (
             f"operator/README.md's {name} table differs from colocate_runtime.contract.env: run "
-            "`.venv/bin/python -m colocate_runtime.contract.env --write operator/README.md`"
+            "`.venv/bin/python tools/env_readme.py --write operator/README.md`"
         )
 
 
