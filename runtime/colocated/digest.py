@@ -172,6 +172,7 @@ class SampleProgram:
             raise ValueError(f"digest period {period} and chunk {chunk} must be positive")
         if device.type == "cuda" and device.index is None:  # compared with the tensors' devices below
             device = torch.device("cuda", torch.cuda.current_device())
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.names = tuple(e.name for e in entries)
         self.period, self.chunk, self.device = period, chunk, device
         self.buckets = tuple(buckets)
@@ -194,6 +195,9 @@ class SampleProgram:
             self._delta = torch.tensor(deltas, dtype=torch.int64, device=device)
             pinned = device.type == "cuda"
             self._host = torch.zeros(max(1, len(self.buckets)), dtype=torch.int64, pin_memory=pinned)
+        # What the program keeps allocated on the device while its layout lives (a step allocates nothing
+        # that outlives it): what a check of the process's memory after a step must allow for.
+        self.device_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
 
     def launch(self, step: int, bucket: Bucket) -> torch.Tensor:
         """Enqueue step `step`'s per-entry sums (int64, on the device) on the current stream. The buckets

@@ -86,7 +86,9 @@ def test_cuda_ipc_two_processes_bitwise_and_buckets_freed(env: dict[str, str], t
             assert report.handles == 2  # one bf16 and one fp32 bucket
             del weights
             torch.cuda.synchronize()
-            assert torch.cuda.memory_allocated() <= base  # buckets returned after the ACK
+            # Buckets returned after the ACK; the weights check's tables (digest.py) stay with the layout.
+            digest = writer._digest[2].device_bytes if writer._digest else 0
+            assert torch.cuda.memory_allocated() - digest <= base
         assert reader.wait(timeout=120) == 0, out.with_suffix(".log").read_text()[-4000:]
     finally:
         writer.close()

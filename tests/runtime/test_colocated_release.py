@@ -117,7 +117,9 @@ class Trainer:
         if not self.cuda:
             return 0
         torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
+        # Less the weights check's tables (digest.py), which stay allocated with the layout: not a bucket.
+        digest = self.writer._digest
+        return torch.cuda.memory_allocated() - (digest[2].device_bytes if digest else 0)
 
     def tag(self, step: int) -> str:
         return f"g{self.writer.gen}-s{step}"
