@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from colocate_operator.addresses import AddressAllowList
+from colocate_runtime.contract import env as contract
 
 
 class ConfigError(ValueError):
@@ -48,43 +50,38 @@ class OperatorConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         env = os.environ if env is None else env
         kwargs: dict[str, object] = {}
-        floats = {
-            "COLOCATE_RECONCILE_INTERVAL_SECONDS": "reconcile_interval_seconds",
-            "COLOCATE_MAX_BACKOFF_SECONDS": "max_backoff_seconds",
-            "COLOCATE_CREATE_DELAY_SECONDS": "create_delay_seconds",
-            "COLOCATE_FORCE_DELETE_AFTER_SECONDS": "force_delete_after_seconds",
+        seconds = {
+            contract.RECONCILE_INTERVAL_SECONDS: "reconcile_interval_seconds",
+            contract.MAX_BACKOFF_SECONDS: "max_backoff_seconds",
+            contract.CREATE_DELAY_SECONDS: "create_delay_seconds",
+            contract.FORCE_DELETE_AFTER_SECONDS: "force_delete_after_seconds",
         }
-        for var, attr in floats.items():
-            if env.get(var):
-                try:
-                    value = float(env[var])
-                except ValueError:
-                    raise ConfigError(f"{var} must be a number of seconds, got {env[var]!r}") from None
+        for var, attr in seconds.items():
+            value = _read(var, env)
+            if value is not None:
                 if value < 0:
-                    raise ConfigError(f"{var} must not be negative, got {value}")
+                    raise ConfigError(f"{var.name} must not be negative, got {value}")
                 kwargs[attr] = value
-        if env.get("COLOCATE_RECONCILE_WORKERS"):
-            workers = env["COLOCATE_RECONCILE_WORKERS"]
-            if not workers.isdigit() or not 1 <= int(workers) <= 64:
-                raise ConfigError(
-                    f"COLOCATE_RECONCILE_WORKERS must be a whole number from 1 to 64, got {workers!r}"
-                )
-            kwargs["reconcile_workers"] = int(workers)
-        if env.get("COLOCATE_CLUSTER_DOMAIN"):
-            kwargs["cluster_domain"] = env["COLOCATE_CLUSTER_DOMAIN"].strip(".")
-        if env.get("COLOCATE_OPERATOR_NAMESPACE"):
-            kwargs["operator_namespace"] = env["COLOCATE_OPERATOR_NAMESPACE"]
-        if env.get("COLOCATE_OPERATOR_POD_LABELS"):
-            kwargs["operator_pod_labels"] = parse_labels(
-                env["COLOCATE_OPERATOR_POD_LABELS"], "COLOCATE_OPERATOR_POD_LABELS"
-            )
-        if env.get("COLOCATE_EXTERNAL_METASTORE_ALLOW"):
+        workers = _read(contract.RECONCILE_WORKERS, env)
+        if workers is not None:
+            if not 1 <= workers <= 64:
+                raise ConfigError(f"{contract.RECONCILE_WORKERS.name} must be from 1 to 64, got {workers}")
+            kwargs["reconcile_workers"] = workers
+        domain = _read(contract.CLUSTER_DOMAIN, env)
+        if domain is not None:
+            kwargs["cluster_domain"] = domain.strip(".")
+        namespace = _read(contract.OPERATOR_NAMESPACE, env)
+        if namespace is not None:
+            kwargs["operator_namespace"] = namespace
+        labels = _read(contract.OPERATOR_POD_LABELS, env)
+        if labels is not None:
+            kwargs["operator_pod_labels"] = parse_labels(labels, contract.OPERATOR_POD_LABELS.name)
+        allow = _read(contract.EXTERNAL_METASTORE_ALLOW, env)
+        if allow is not None:
             try:
-                kwargs["external_metastore_allow"] = AddressAllowList.parse(
-                    env["COLOCATE_EXTERNAL_METASTORE_ALLOW"]
-                )
+                kwargs["external_metastore_allow"] = AddressAllowList.parse(allow)
             except ValueError as e:
-                raise ConfigError(f"COLOCATE_EXTERNAL_METASTORE_ALLOW: {e}") from None
+                raise ConfigError(f"{contract.EXTERNAL_METASTORE_ALLOW.name}: {e}") from None
         config = cls(**kwargs)  # type: ignore[arg-type]
         if config.reconcile_interval_seconds <= 0:
             raise ConfigError("COLOCATE_RECONCILE_INTERVAL_SECONDS must be positive")
@@ -92,6 +89,14 @@ class OperatorConfig:
 
     def allows_privileged(self, namespace: str) -> bool:
         return "*" in self.privileged_namespaces or namespace in self.privileged_namespaces
+
+
+def _read(var: contract.Var, env: Mapping[str, str]) -> Any:
+    """The variable's typed value when it is set (None when unset or blank), parsed by the contract table."""
+    try:
+        return None if var.raw(env) is None else var.read(env)
+    except contract.EnvError as err:
+        raise ConfigError(str(err)) from None
 
 
 def parse_labels(text: str, what: str) -> dict[str, str]:

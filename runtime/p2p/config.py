@@ -6,16 +6,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from colocate_runtime.contract import env as contract
 from colocate_runtime.p2p.chunks import ALIGN, DIRECT_MIN_BYTES
 
-ENV_BUDGET_MB = "COLOCATE_P2P_BUDGET_MB"
-ENV_PIPELINE_DEPTH = "COLOCATE_P2P_PIPELINE_DEPTH"
-ENV_TIMEOUT_S = "COLOCATE_P2P_TIMEOUT_S"
-ENV_TRACE = "COLOCATE_P2P_TRACE"
-ENV_DIRECT_MIN_MB = "COLOCATE_P2P_DIRECT_MIN_MB"
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
+# The variables' names, types and parsing rules are the contract table's (contract/env.py).
+ENV_BUDGET_MB = contract.P2P_BUDGET_MB.name
+ENV_PIPELINE_DEPTH = contract.P2P_PIPELINE_DEPTH.name
+ENV_TIMEOUT_S = contract.P2P_TIMEOUT_S.name
+ENV_TRACE = contract.P2P_TRACE.name
+ENV_DIRECT_MIN_MB = contract.P2P_DIRECT_MIN_MB.name
+_MB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,21 +71,15 @@ class ExecutorConfig:
     def from_env(env: Mapping[str, str] | None = None, **overrides: object) -> ExecutorConfig:
         """Defaults, then the environment, then explicit overrides."""
         env = os.environ if env is None else env
-        values: dict[str, object] = {}
         try:
-            if env.get(ENV_BUDGET_MB):
-                values["budget_bytes"] = int(float(env[ENV_BUDGET_MB]) * (1 << 20))
-            if env.get(ENV_PIPELINE_DEPTH):
-                values["pipeline_depth"] = int(env[ENV_PIPELINE_DEPTH])
-            if env.get(ENV_DIRECT_MIN_MB):
-                values["direct_min_bytes"] = int(float(env[ENV_DIRECT_MIN_MB]) * (1 << 20))
-            if env.get(ENV_TIMEOUT_S):
-                values["timeout_s"] = float(env[ENV_TIMEOUT_S])
-        except ValueError as exc:
+            values: dict[str, object] = {
+                "budget_bytes": int(float(contract.P2P_BUDGET_MB.read(env)) * _MB),  # type: ignore[arg-type]
+                "pipeline_depth": contract.P2P_PIPELINE_DEPTH.read(env),
+                "direct_min_bytes": int(float(contract.P2P_DIRECT_MIN_MB.read(env)) * _MB),  # type: ignore[arg-type]
+                "timeout_s": float(contract.P2P_TIMEOUT_S.read(env)),  # type: ignore[arg-type]
+                "trace": contract.P2P_TRACE.read(env),
+            }
+        except contract.EnvError as exc:
             raise ValueError(f"bad p2p setting in the environment: {exc}") from None
-        trace = env.get(ENV_TRACE, "").strip().lower()
-        if trace not in _TRUE | _FALSE:
-            raise ValueError(f"{ENV_TRACE}={env[ENV_TRACE]!r}: expected one of {sorted(_TRUE | _FALSE)}")
-        values["trace"] = trace in _TRUE
         values.update(overrides)
         return ExecutorConfig(**values)  # type: ignore[arg-type]
