@@ -147,3 +147,76 @@ def test_generation_after_our_install_equals_sglangs_own_load_of_the_same_weight
     stale = engine.generate()
     engine.load(REFERENCE, w2)
     assert engine.generate() != stale
+
+
+# Issue 32: the log-prob check catches derived tensors left stale --------------------------------------------
+
+BATCH = [[3 + i, 17 + i, 40 + i, 9] for i in range(4)]  # 32 sampled tokens a step
+
+
+def sample(engine: Engine) -> tuple[list[list[int]], list[list[float]]]:
+    """What a rollout gets: tokens the engine samples (temperature 1) and its log-probs of them."""
+    out = requests.post(
+        f"{engine.client.base_url}/generate",
+        json={
+            "input_ids": BATCH,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+        timeout=120,
+    )
+    assert out.ok, out.text
+    answers = out.json()
+    tokens = [a["output_ids"] for a in answers]
+    return tokens, [[lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]] for a in answers]
+
+
+def score(engine: Engine, tokens: list[list[int]]) -> list[list[float]]:
+    """The log-probs the engine's weights give `tokens` after their prompts (one prefill each)."""
+    found = []
+    for prompt, out in zip(BATCH, tokens, strict=True):
+        answer = requests.post(
+            f"{engine.client.base_url}/generate",
+            json={
+                "input_ids": prompt + out,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            timeout=120,
+        )
+        assert answer.ok, answer.text
+        entries = answer.json()["meta_info"]["input_token_logprobs"]  # one per input token, the first None
+        mine = entries[len(prompt) : len(prompt) + len(out)]
+        # Positions align them: the prompt's ids are where expected and there is one entry per sampled
+        # token. (Not the sampled ids themselves: 0.5.10 names a sampled 255 "0" here, seen on the stale
+        # engine of the test below.)
+        assert [t for _, t, _ in entries[: len(prompt)]] == prompt and len(mine) == len(out), entries
+        found.append([lp for lp, _, _ in mine])
+    return found
+
+
+def test_a_skipped_post_load_hook_is_caught_by_the_log_prob_check_within_one_step(engine: Engine) -> None:
+    """Step 1 installs weights through our loader (post_load_weights runs); step 2's install skips it (the
+    probe's copy), so w_kc / w_vc still derive from step 1's kv_b_proj. Each step the engine samples and
+    reports its log-probs; the trainer's are those of the weights it holds (here SGLang's own load of them,
+    scoring the same tokens: the stand-in for the trainer's forward pass). The operator's fold (CRD
+    defaults) finds step 1 consistent and step 2 a breach."""
+    from colocate_operator.steps import RolloutFold
+    from colocate_runtime import consistency
+    from colocate_runtime.contract import events as ev
+
+    held = engine.params()
+    w1, w2 = _random(held, seed=3), _random(held, seed=4)
+    fold, source = RolloutFold(), ev.EventSource("trainer", gpu="GPU-0")
+    for step, (install, weights) in enumerate(((REFERENCE, w1), (STALE, w2)), 1):
+        engine.load(install, weights)
+        tokens, engine_logprobs = sample(engine)
+        engine.load(REFERENCE, weights)  # what the trainer holds, derived tensors and all
+        trainer_logprobs = score(engine, tokens)
+        figures = consistency.compare(torch.tensor(trainer_logprobs), torch.tensor(engine_logprobs))
+        print(f"\nstep {step} ({'post_load_weights skipped' if install == STALE else 'healthy'}): {figures}")
+        fold.observe(ev.decode(ev.encode(source.rollout(1, step, figures), now=1000.0 + step)))
+        if step == 1:
+            assert fold.breach is None, fold.breach
+    assert fold.breach is not None and fold.breach.step == 2 and fold.breach.reason == "KLOverThreshold"
