@@ -14,13 +14,15 @@ import logging
 import os
 from typing import Any
 
+from colocate_runtime.contract import env
+
 log = logging.getLogger(__name__)
 
 HOOK_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.__init__"
 
 
 def register() -> None:
-    if not os.environ.get("COLOCATE_JOB_NAME"):
+    if not os.environ.get(env.JOB_NAME.name, "").strip():  # not in a ColocateJob's pod: nothing to start
         return
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # type: ignore[import-not-found]
