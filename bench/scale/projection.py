@@ -7,9 +7,10 @@ alone: through the origin), then evaluated at --jobs. What is projected, per rep
 - memory: resident set with every job up, and its peak while every job reports steps;
 - steps: CPU per job-step (one step = 32 GPUs' records) at the size that saturated the operator, and what a
   step every --step-period seconds costs at --jobs (the event loop is one thread: one core at most);
-- idle: CPU with nothing happening (the bench's steady window), and the periodic resync, whose cost per job
-  and interval is measured apart (--resync-ms-per-job: the resync thread's CPU plus the passes it queues,
-  from a `--profile-idle` run's <run>-idle-threads.txt) because a short steady window may not hold one.
+- idle: the periodic resync, the one idle cost that grows with the jobs since issue 35 (the step followers
+  and readers cost one blocking XREAD per meta-store endpoint every 30 s). Its cost per job and interval is
+  measured apart (--resync-ms-per-job: the resync thread's CPU plus the passes it queues, from a
+  `--profile-idle` run's <run>-idle-threads.txt): a short steady window may not hold a resync.
 The limits: the chart's memory limit, one core, and the share of a core the resync may take.
 """
 
@@ -79,15 +80,11 @@ def models(runs: list[dict[str, Any]]) -> dict[str, Fit]:
                 )
             )
         ),
-        "idle_cpu_s_per_min": fit(
-            points(lambda r: r["operator_cpu_seconds"]["steady"] * 60 / r["spec"]["steady_seconds"])
-        ),
     }
 
 
-def render(args: argparse.Namespace, runs: list[dict[str, Any]], idle_runs: list[dict[str, Any]]) -> str:
+def render(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     m, per_step = models(runs), step_cost(runs)
-    m["idle_cpu_s_per_min"] = models(idle_runs)["idle_cpu_s_per_min"]
     resync = args.resync_ms_per_job / 1000
     sizes = sorted({r["jobs"] for r in runs})
     lines = [
@@ -98,17 +95,16 @@ def render(args: argparse.Namespace, runs: list[dict[str, Any]], idle_runs: list
         f"per job every {args.resync_interval:.0f} s.",
         "",
         "| jobs | CPU until up (s of one core) | requests until up | RSS up / step peak (MiB) "
-        f"| steps, one per job every {args.step_period:.0f} s (cores) | idle CPU, no resync (s / min) "
+        f"| steps, one per job every {args.step_period:.0f} s (cores) "
         "| resync (share of a core) | pod LIST per resync (MB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for jobs in args.jobs:
         steps_core = jobs / args.step_period * per_step
-        idle = max(0.0, m["idle_cpu_s_per_min"].at(jobs))
         lines.append(
             f"| {jobs} | {m['cpu_up_s'].at(jobs):.0f} | {m['requests'].at(jobs):.0f} "
             f"| {m['rss_up_mib'].at(jobs):.0f} / {m['rss_peak_mib'].at(jobs):.0f} | {steps_core:.2f} "
-            f"| {idle:.2f} | {jobs * resync / args.resync_interval:.2f} "
+            f"| {jobs * resync / args.resync_interval:.2f} "
             f"| {jobs * PODS_PER_JOB * POD_LIST_BYTES_PER_POD / 1e6:.0f} |"
         )
     peak = m["rss_peak_mib"]
@@ -127,16 +123,11 @@ def render(args: argparse.Namespace, runs: list[dict[str, Any]], idle_runs: list
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale.projection", description=__doc__)
     parser.add_argument("results", nargs="+", type=Path, help="results.json of bench.scale runs")
-    parser.add_argument(
-        "--idle-results",
-        nargs="*",
-        type=Path,
-        default=[],
-        help="results.json whose runs give the idle figure (an operator version other than the rest's)",
-    )
     parser.add_argument("--jobs", type=int, nargs="+", default=[5000, 10000])
     parser.add_argument("--step-period", type=float, default=60.0, help="seconds between a job's steps")
-    parser.add_argument("--resync-ms-per-job", type=float, default=4.6, help="measured: 1.16 s / 250 jobs")
+    parser.add_argument(
+        "--resync-ms-per-job", type=float, default=3.1, help="measured: 1.16 s / 250 jobs, 3.1 s / 1000"
+    )
     parser.add_argument("--resync-interval", type=float, default=120.0, help="the operator's default")
     parser.add_argument("--resync-share", type=float, default=0.1, help="of a core the resync may take")
     parser.add_argument("--memory-limit-mib", type=int, default=512, help="the chart's default limit")
@@ -144,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = ours(args.results)
     if not runs:
         raise SystemExit("no complete run of our operator in the results given")
-    idle_runs = ours(args.idle_results) if args.idle_results else runs
-    print(render(args, runs, idle_runs or runs), end="")
+    print(render(args, runs), end="")
     return 0
 
 

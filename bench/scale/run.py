@@ -227,7 +227,12 @@ def thread_cpu(pid: int) -> dict[int, float]:
     return out
 
 
-def _profiled(profiler: subprocess.Popen[bytes], operator: OperatorProcess, before: dict[int, float]) -> None:
+def _profiled(
+    profiler: subprocess.Popen[bytes],
+    operator: OperatorProcess,
+    before: dict[int, float],
+    after: dict[int, float],
+) -> None:
     """Waits for py-spy, then writes each thread's CPU over the window, named by a `py-spy dump`, into
     <logs>/<label>-idle-threads.txt."""
     try:
@@ -235,7 +240,6 @@ def _profiled(profiler: subprocess.Popen[bytes], operator: OperatorProcess, befo
     except subprocess.TimeoutExpired:
         profiler.kill()
         profiler.wait(5)
-    after = thread_cpu(operator.pid)
     argv = [str(profiler.args[0]), "dump", "--pid", str(operator.pid), "--nonblocking"]
     dump = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
     named = dict(re.findall(r"^Thread (\d+) \(\w+\): \"([^\"]*)\"", dump, re.MULTILINE))
@@ -372,8 +376,8 @@ def _measure(
         threads0 = thread_cpu(operator.pid)
         time.sleep(spec.steady_seconds)
         tl.t2, u2, a2 = time.time(), usage(operator.pid), usage(apiserver)
-        if profiler is not None:
-            _profiled(profiler, operator, threads0)
+        if profiler is not None:  # each thread's CPU over the steady window exactly (py-spy may end later)
+            _profiled(profiler, operator, threads0, thread_cpu(operator.pid))
         final = _final_state(bed, workload, namespace)
         stepped = _step_phase(bed, spec, workload, namespace, list(created), operator.pid)
         hwm = peak_rss(operator.pid)
