@@ -3,6 +3,7 @@ Docker engine runs here, so the build stage's RUN instruction is executed as a s
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -40,6 +41,12 @@ def test_image_is_non_root_and_runs_the_operator() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.skipif(
+    os.environ.get("COLOCATE_SLOW_TESTS") != "1",
+    reason="slow set (COLOCATE_SLOW_TESTS=1): make test builds the image from this Dockerfile with buildah "
+    "and runs it (tests/realnode/test_realnode.py::test_operator_deployment_from_the_chart_becomes_ready_on_"
+    "the_real_node)",
+)
 def test_install_steps_work_in_a_fresh_venv(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     command = build_stage_run().replace("/opt/venv", str(venv)).replace("/src", str(ROOT))
