@@ -45,7 +45,7 @@ import torch
 
 from colocate_runtime.colocated import strided
 from colocate_runtime.colocated.buckets import PlacedEntry
-from colocate_runtime.colocated.views import dtype_name
+from colocate_runtime.colocated.views import dtype_name, indexed
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 
 log = logging.getLogger(__name__)
@@ -170,8 +170,7 @@ class SampleProgram:
     ) -> None:
         if period < 1 or chunk < 1:
             raise ValueError(f"digest period {period} and chunk {chunk} must be positive")
-        if device.type == "cuda" and device.index is None:  # compared with the tensors' devices below
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = indexed(device)  # type: ignore[assignment]  (compared with the tensors' devices below)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.names = tuple(e.name for e in entries)
         self.period, self.chunk, self.device = period, chunk, device

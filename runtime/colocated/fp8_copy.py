@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from colocate_runtime.colocated.fp8_block import BLOCK, BlockFp8
+from colocate_runtime.colocated.views import indexed
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +105,10 @@ class BlockTable:
             )
 
 
-def indexed(device: torch.device | None) -> torch.device | None:
-    """`cuda` as `cuda:<current>`: tensors always carry an index, and `cuda != cuda:0` in torch."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def build(blocks: Sequence[Block], device: torch.device, fmt: BlockFp8 = FP32_SCALES) -> BlockTable:
     if not blocks:
         raise ValueError("no blocks")
-    device = indexed(device)  # type: ignore[assignment]
+    device = indexed(device)  # type: ignore[assignment]  (never None here)
     bm, bk = fmt.block
     base = blocks[0].q
     base_ptr = base.data_ptr()

@@ -30,7 +30,7 @@ import torch
 from colocate_runtime.bits import bits
 from colocate_runtime.colocated import fastcopy, fp8_block, fp8_copy, strided
 from colocate_runtime.colocated.buckets import PlacedEntry
-from colocate_runtime.colocated.views import entry_view
+from colocate_runtime.colocated.views import entry_view, indexed
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 
 
@@ -94,7 +94,7 @@ def compile_gather(
     """`device`: where the batched kernel runs (None: every copy goes through torch). `scales`: for each
     target held in block FP8 (an e4m3 view), the view of its `weight_scale_inv` covering the target's blocks
     (the target starts on a block boundary of its parameter); `fmt`: their scale format."""
-    device = fp8_copy.indexed(device)
+    device = indexed(device)
     program = GatherProgram(fmt=fmt)
     fp8_blocks: dict[int, list[fp8_copy.Block]] = {}
     rows: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}

@@ -1,4 +1,5 @@
-"""Typed views of entries inside flat byte buckets, and the dtype names the manifest uses."""
+"""Typed views of entries inside flat byte buckets, the dtype names the manifest uses, and the device name
+the copy programs compare tensors against."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import torch
 from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.dtypes import torch_dtype
 from colocate_runtime.shards import DTYPE_BYTES
+
+
+def indexed(device: torch.device | None) -> torch.device | None:
+    """`cuda` as `cuda:<current>`: tensors always carry an index, and `cuda != cuda:0` in torch."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def dtype_name(dtype: torch.dtype) -> str:
