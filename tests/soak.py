@@ -35,7 +35,7 @@ from typing import Any
 from colocate_devcluster import Cluster, ClusterSpec
 from colocate_runtime.contract.events import final_termination_message
 from tests.kube import chart_identity
-from tests.operator.conftest import CRD_PATH, TEST_CHART_VALUES, OperatorProcess
+from tests.operator.harness import CRD_PATH, TEST_CHART_VALUES, OperatorProcess
 from tests.operator.test_integration import job_manifest
 
 NAMESPACE = "soak"

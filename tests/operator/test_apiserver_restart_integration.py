@@ -14,7 +14,7 @@ import pytest
 
 from colocate_devcluster.localredis import RedisServer
 from tests.kube import ChartIdentity, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, get, job_status, pods, running_pods, wait_phase
 from tests.operator.test_stepwatch_integration import GPUS, emit, start_job, status
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, condition, job_status, wait_phase
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import (
     apply_job,
     condition,

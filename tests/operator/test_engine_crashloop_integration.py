@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_engine_restart_integration import containers
 from tests.operator.test_integration import (
     apply_job,

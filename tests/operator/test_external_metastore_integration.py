@@ -14,7 +14,7 @@ import pytest
 
 from colocate_devcluster import Cluster
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, condition, job_status, pods
 
 pytestmark = pytest.mark.integration

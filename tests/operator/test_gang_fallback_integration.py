@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, pods
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ import pytest
 
 from colocate_devcluster import GANG_SCHEDULING, Cluster, ClusterSpec, manifests
 from tests.kube import wait_for
-from tests.operator.conftest import CRD_PATH, OperatorProcess
+from tests.operator.harness import CRD_PATH, OperatorProcess
 from tests.operator.test_integration import (
     apply_job,
     condition,

@@ -19,7 +19,7 @@ from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.contract.events import StepEvent, final_termination_message, stream_key, xadd
 from tests.kube import ChartIdentity, external_metastore, metastore_secret, wait_for
 from tests.operator import factories
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 
 pytestmark = pytest.mark.integration
 

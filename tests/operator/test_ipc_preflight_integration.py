@@ -14,8 +14,8 @@ from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.contract import events as ev
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.kube import external_metastore, get_json, metastore_secret, wait_for
-from tests.operator.conftest import OperatorProcess
 from tests.operator.factories import body
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import wait_condition
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ import pytest
 
 from colocate_runtime.contract.events import final_termination_message
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.kueue_setup import FLAVOR_LABELS, GPU, GPUS, NODES, QUEUE, Quota
 from tests.operator.test_integration import (
     condition,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.kube import ChartIdentity, forbidden_lines, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, events, get, pods, wait_phase
 
 pytestmark = pytest.mark.integration

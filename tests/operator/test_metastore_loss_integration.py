@@ -30,7 +30,7 @@ from colocate_devcluster.localredis import RedisServer, acl_lines, redis_binary
 from colocate_devcluster.processes import free_port
 from demo.run import INIT_LOADER, LOADER, container_env, spawn
 from tests.kube import ChartIdentity, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import get, job_manifest, job_status, pods, wait_phase
 
 pytestmark = pytest.mark.integration

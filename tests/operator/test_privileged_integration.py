@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.kube import ChartIdentity, render_chart, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import (
     condition_reason,
     job_event_reasons,

@@ -11,7 +11,7 @@ import pytest
 
 from colocate_devcluster import Cluster
 from tests.kube import chart_identity, forbidden_lines, render_chart
-from tests.operator.conftest import TEST_CHART_VALUES, OperatorProcess
+from tests.operator.harness import TEST_CHART_VALUES, OperatorProcess
 from tests.operator.test_integration import apply_job, wait_phase
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import pytest
 
 from colocate_devcluster import Cluster
 from tests.kube import ChartIdentity, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, fail_pod, job_event_reasons, running_pods, wait_phase
 
 pytestmark = pytest.mark.integration

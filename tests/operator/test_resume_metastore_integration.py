@@ -28,7 +28,7 @@ import pytest
 from colocate_devcluster.localredis import RedisServer, redis_binary
 from colocate_runtime.contract.checkpoint import CheckpointKeys
 from tests.kube import ChartIdentity, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import condition, get, job_manifest, job_status, pods, wait_phase
 from tests.operator.test_suspend_integration import suspend, trainers
 

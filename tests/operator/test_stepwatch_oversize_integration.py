@@ -18,7 +18,7 @@ import pytest
 from colocate_devcluster.localredis import RedisServer
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.kube import external_metastore, metastore_secret, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, events, job_status, wait_phase
 
 pytestmark = pytest.mark.integration

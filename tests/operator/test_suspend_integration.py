@@ -19,7 +19,7 @@ from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.contract.checkpoint import CheckpointKeys
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.kube import external_metastore, metastore_secret, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import (
     apply_job,
     condition,

@@ -18,7 +18,7 @@ from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.metastore import MetaStore
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.kube import external_metastore, metastore_secret, wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.kueue_setup import GPUS, NODES, QUEUE, Quota
 from tests.operator.test_integration import condition, job_manifest, job_status, pods, wait_phase
 from tests.operator.test_kueue_integration import running, submit

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import (
     apply_job,
     get,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.kube import wait_for
-from tests.operator.conftest import OperatorProcess
+from tests.operator.harness import OperatorProcess
 from tests.operator.test_integration import apply_job, events, get, job_manifest, wait_phase
 
 pytestmark = pytest.mark.integration
