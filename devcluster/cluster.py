@@ -8,6 +8,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,8 +21,11 @@ from colocate_devcluster.binaries import KWOK_STAGES, find_bin_dir
 from colocate_devcluster.pki import make_pki
 from colocate_devcluster.processes import Component, ComponentError, free_port, http_ok
 from colocate_devcluster.realnode import REAL_NODE_LABEL, RealNode, node_name
+from colocate_devcluster.supervise import Supervisor
 
 STATE_FILE = "state.json"
+# Static pods in a real cluster: restarted when they exit (supervise.py), while this process runs.
+SUPERVISED = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 
 class ClusterError(RuntimeError):
@@ -82,6 +86,8 @@ class Cluster:
     # How to tell that a restarted component serves again (only components something waits on).
     _ready: dict[str, Callable[[], bool]] = field(default_factory=dict, repr=False)
     _node_tokens: dict[int, str] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    supervisor: Supervisor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.bin_dir = find_bin_dir(self.spec.bin_dir)
@@ -115,10 +121,14 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+        supervised = [c for c in self.components if c.name in SUPERVISED]
+        self.supervisor = Supervisor(supervised, self._lock, self._say, lambda _: self._write_state()).start()
         self._say(f"cluster ready in {time.monotonic() - started:.1f} s; KUBECONFIG={self.kubeconfig}")
         return self
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for node in reversed(self.real_nodes):
             node.teardown()
         for component in reversed(self.components):
@@ -131,18 +141,20 @@ class Cluster:
         """Stop one component (SIGTERM, then SIGKILL): every client's connections and watches to it break.
         `start_component` brings it back; only in the process that started the cluster (a loaded one does
         not know the command lines)."""
-        self._own(name).stop()
+        with self._lock:
+            self._own(name).stop()
         self._say(f"stopped {name}")
 
     def start_component(self, name: str) -> None:
         """Start a stopped component again with the same command line (same ports, same data, as after a
         crash or an in-place upgrade) and wait until it serves (the apiserver: /readyz)."""
-        component = self._own(name)
-        if component.alive():
-            raise ClusterError(f"{name} is running; stop it first")
-        self._say(f"starting {name} again")
-        component.start()
-        self._write_state()
+        with self._lock:
+            component = self._own(name)
+            if component.alive():
+                raise ClusterError(f"{name} is running; stop it first")
+            self._say(f"starting {name} again")
+            component.start()
+            self._write_state()
         if name in self._ready:
             component.wait_until(self._ready[name], self.spec.ready_timeout, "ready after a restart")
 

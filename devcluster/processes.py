@@ -55,6 +55,7 @@ class Component:
     log_path: Path
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     pid: int | None = None
+    wanted: bool = False  # started and not stopped on purpose: devcluster/supervise.py restarts it
 
     def start(self) -> None:
         if not os.access(self.argv[0], os.X_OK):
@@ -73,6 +74,7 @@ class Component:
                 start_new_session=True,
             )
         self.pid = self.process.pid
+        self.wanted = True
 
     def alive(self) -> bool:
         if self.process is not None:
@@ -103,6 +105,7 @@ class Component:
         )
 
     def stop(self, grace: float = 10.0) -> None:
+        self.wanted = False
         if self.pid is None or not self.alive():
             return
         _signal_group(self.pid, signal.SIGTERM)
