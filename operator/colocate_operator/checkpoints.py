@@ -40,7 +40,7 @@ from colocate_operator.metastore import endpoint
 from colocate_operator.observed import CheckpointState, Observed
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import StatusView
-from colocate_operator.stepwatch import check_managed_store_owned, password_from_secret, username_of
+from colocate_operator.store_credentials import check_managed_store_owned, password_from_secret, username_of
 from colocate_runtime.contract.checkpoint import (
     MAX_ID_CHARS,
     MAX_RECORD_BYTES,

@@ -19,7 +19,8 @@ from redis.retry import Retry
 from colocate_devcluster.localredis import RedisServer
 from colocate_operator import metastore, pods
 from colocate_operator.config import ConfigError, OperatorConfig
-from colocate_operator.stepwatch import stream_client, username_of
+from colocate_operator.store_credentials import username_of
+from colocate_operator.stream_reads import stream_client
 from colocate_runtime.colocated.config import MetaStoreAddress
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.metastore import MetaStore

@@ -23,15 +23,10 @@ from colocate_operator import checkpoints, kube
 from colocate_operator.config import OperatorConfig
 from colocate_operator.decide import CheckpointWrite
 from colocate_operator.observed import CheckpointState, Observed, PodState
-from colocate_operator.stepwatch import (
-    ENTRY_MAX_BYTES,
-    ENTRY_MAX_FIELDS,
-    READ_BYTES_MAX,
-    STREAM_READ_SCRIPT,
-    _Bell,
-)
+from colocate_operator.step_stream import ENTRY_MAX_BYTES
+from colocate_operator.stream_reads import READ_BYTES_MAX, STREAM_READ_SCRIPT, Bell
 from colocate_runtime.contract.checkpoint import CheckpointKeys
-from colocate_runtime.contract.events import StepEvent, decode, xadd
+from colocate_runtime.contract.events import ENTRY_MAX_FIELDS, StepEvent, decode, xadd
 from tests.operator import factories
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +102,7 @@ def test_the_bell_wakes_on_a_new_entry_without_reading_it(redis_server: RedisSer
     last = last.decode() if isinstance(last, bytes) else last
 
     async def scenario() -> tuple[float, float, int]:
-        bell = _Bell(redis_server.addr, redis_server.password)
+        bell = Bell(redis_server.addr, redis_server.password)
         try:
             began = time.monotonic()
             await bell.wait({KEY: last}, 0.3)  # nothing new: its block runs out
@@ -138,7 +133,7 @@ def test_a_store_refusing_client_reply_is_polled(redis_server: RedisServer) -> N
     redis_server.client().execute_command("ACL", "SETUSER", "default", "-client")
 
     async def scenario() -> tuple[bool | None, float]:
-        bell = _Bell(redis_server.addr, redis_server.password)
+        bell = Bell(redis_server.addr, redis_server.password)
         try:
             began = time.monotonic()
             await bell.wait({KEY: "0-0"}, 30)

@@ -16,7 +16,7 @@ from colocate_operator.config import OperatorConfig
 from colocate_operator.metastore import endpoint
 from colocate_operator.reconciler import Reconciler
 from colocate_operator.secret_reads import SecretReads
-from colocate_operator.stepwatch import _credentials
+from colocate_operator.store_credentials import password_of as _credentials
 from tests.operator import factories
 from tests.operator.test_reconciler import NOW, FakeKube
 

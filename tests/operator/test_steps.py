@@ -256,18 +256,17 @@ def test_operator_reasons_are_the_runtime_reasons() -> None:
 
 
 def test_a_follower_waits_until_the_next_decision_it_must_make_without_new_entries() -> None:
-    from colocate_operator.stepwatch import (
-        DECISION_MAX_WAIT_SECONDS,
+    from colocate_operator.step_follow import DECISION_MAX_WAIT_SECONDS, decision_wait
+    from colocate_operator.step_writes import (
         HEARTBEAT_SECONDS,
         WRITE_MIN_INTERVAL_SECONDS,
         WRITE_SETTLE_SECONDS,
-        _Writes,
-        decision_wait,
+        StatusWrites,
     )
 
     tracker = StepTracker(expected_gpus=1)
     tracker.last_progress_ts = 1000.0
-    writes = _Writes(written_phase=tracker.current_phase)
+    writes = StatusWrites(written_phase=tracker.current_phase)
     # Nothing due before the cap: a long wait.
     assert decision_wait(tracker, writes, False, 600, 1000.0) == DECISION_MAX_WAIT_SECONDS
     # The progress deadline comes first: wake then to write the stall.

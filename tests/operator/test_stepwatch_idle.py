@@ -15,17 +15,13 @@ import pytest
 import redis
 
 from colocate_devcluster.localredis import RedisServer
-from colocate_operator import kube, stepwatch
+from colocate_operator import kube, step_follow, stream_reads
 from colocate_operator.config import OperatorConfig
+from colocate_operator.step_follow import decision_wait
+from colocate_operator.step_stream import SKIP_EVENT_INTERVAL, JobStream, Skips
+from colocate_operator.step_writes import StatusWrites
 from colocate_operator.steps import StepTracker
-from colocate_operator.stepwatch import (
-    SKIP_EVENT_INTERVAL,
-    StepWatchers,
-    _Follow,
-    _Skips,
-    _Writes,
-    decision_wait,
-)
+from colocate_operator.stepwatch import StepWatchers
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.operator.test_stepwatch_many import create_jobs
 
@@ -38,18 +34,18 @@ BLOCK_SECONDS = 1.0
 def test_a_pending_skip_event_is_a_decision_the_follower_wakes_for() -> None:
     tracker = StepTracker(expected_gpus=1)
     tracker.last_progress_ts = 1000.0
-    writes = _Writes(written_phase=tracker.current_phase)
-    skips = _Skips(count=3, last_event=995.0)  # reported 5 s ago: the next Event is due in 55 s
+    writes = StatusWrites(written_phase=tracker.current_phase)
+    skips = Skips(count=3, last_event=995.0)  # reported 5 s ago: the next Event is due in 55 s
     assert decision_wait(tracker, writes, False, 3600, 1000.0, skips) == 995.0 + SKIP_EVENT_INTERVAL - 1000.0
     skips.reported_count = 3  # nothing left to report: only the stall is ahead (an hour)
-    assert decision_wait(tracker, writes, False, 3600, 1000.0, skips) == stepwatch.DECISION_MAX_WAIT_SECONDS
+    assert decision_wait(tracker, writes, False, 3600, 1000.0, skips) == step_follow.DECISION_MAX_WAIT_SECONDS
 
 
 def calls(client: redis.Redis, command: str) -> int:
     return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-def follows(watchers: StepWatchers) -> list[_Follow]:
+def follows(watchers: StepWatchers) -> list[JobStream]:
     return [f for reader in watchers.readers._by_endpoint.values() for f in reader.jobs.values()]
 
 
@@ -66,7 +62,7 @@ async def until(probe: Callable[[], bool], timeout: float, what: str) -> None:
 def test_idle_followers_read_nothing_and_wake_only_for_news(
     cluster: Any, namespace: str, crd: Any, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stepwatch, "READ_BLOCK_MAX_SECONDS", BLOCK_SECONDS)
+    monkeypatch.setattr(stream_reads, "READ_BLOCK_MAX_SECONDS", BLOCK_SECONDS)
     names = create_jobs(cluster, namespace, redis_server, JOBS)
     client = redis_server.client()
     watchers = StepWatchers(kube.Kube.from_environment(), CONFIG)
@@ -100,7 +96,7 @@ def test_idle_followers_read_nothing_and_wake_only_for_news(
         await until(lambda: first.tracker.last_completed_step == 1, BLOCK_SECONDS / 2, "the new step read")
 
         # The catch-up barrier asks from a reconcile worker's thread: the reader reads now, not in 60 s.
-        monkeypatch.setattr(stepwatch, "READ_BLOCK_MAX_SECONDS", 60.0)
+        monkeypatch.setattr(stream_reads, "READ_BLOCK_MAX_SECONDS", 60.0)
         await asyncio.sleep(BLOCK_SECONDS + 0.5)  # the reader is in a 60-s wait now
         reads, asked = calls(client, "evalsha"), time.time()
         assert await asyncio.to_thread(watchers.stream_progress, namespace, names[0]) is first.progress

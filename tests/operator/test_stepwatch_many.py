@@ -17,8 +17,9 @@ import redis
 from colocate_devcluster.localredis import RedisServer
 from colocate_operator import kube, metrics
 from colocate_operator.config import OperatorConfig
+from colocate_operator.step_follow import follow
 from colocate_operator.steps import StepTracker
-from colocate_operator.stepwatch import Readers, follow
+from colocate_operator.stream_reads import Readers
 from colocate_runtime.contract.events import StepEvent, stream_key, xadd
 from tests.kube import external_metastore, get_json, metastore_secret
 from tests.operator.factories import body

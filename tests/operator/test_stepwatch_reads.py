@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from colocate_operator.stepwatch import (
+from colocate_operator.stream_reads import (
     READ_COUNT,
     READ_COUNT_MIN,
     READ_ENTRIES_MAX,

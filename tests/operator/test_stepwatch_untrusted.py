@@ -18,8 +18,8 @@ import pytest
 from colocate_devcluster.localredis import RedisServer
 from colocate_operator import kube
 from colocate_operator.config import OperatorConfig
+from colocate_operator.step_follow import follow
 from colocate_operator.steps import FAILED_STEPS_MAX, PENDING_STEPS_MAX, StepTracker, gpu_limit
-from colocate_operator.stepwatch import follow
 from colocate_runtime.contract.events import STREAM_MAXLEN, stream_key
 from tests.kube import get_json
 from tests.operator.test_stepwatch_integration import GPUS, emit, start_job, status

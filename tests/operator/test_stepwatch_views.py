@@ -4,7 +4,7 @@ write does not lose a 409 to them and read the job again."""
 
 from __future__ import annotations
 
-from colocate_operator.stepwatch import JobView, newer_view
+from colocate_operator.step_writes import JobView, newer_view
 
 
 def view(rv: str) -> JobView:
