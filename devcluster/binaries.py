@@ -63,3 +63,29 @@ def find_kueue_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
         f"no complete Kueue build ({', '.join(KUEUE_FILES)}) in {where}; run `bash scripts/build-tools.sh` "
         "(it builds Kueue from tools/kueue) or point COLOCATE_KUEUE_DIR at one"
     )
+
+
+FAKEGPU = "colocate-fakegpu"
+
+
+def find_fakegpu(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The real node's fake GPU device plugin (devcluster/fakegpu): explicit, else $COLOCATE_FAKEGPU, else the
+    newest one scripts/build-tools.sh left in the cache. Raises MissingBinaries with the fix."""
+    chosen = explicit or os.environ.get("COLOCATE_FAKEGPU")
+    candidates = (
+        [Path(chosen)]
+        if chosen
+        else sorted(
+            (d / FAKEGPU for d in CACHE_ROOT.glob("fakegpu-*") if not d.name.endswith(".tmp")),
+            key=lambda p: p.stat().st_mtime if p.exists() else 0,
+            reverse=True,
+        )
+    )
+    for binary in candidates:
+        if os.access(binary, os.X_OK):
+            return binary
+    where = chosen or f"{CACHE_ROOT}/fakegpu-*/{FAKEGPU}"
+    raise MissingBinaries(
+        f"no fake GPU device plugin at {where}; run `bash scripts/build-tools.sh` without COLOCATE_BIN_DIR "
+        "(it builds devcluster/fakegpu) or point COLOCATE_FAKEGPU at one"
+    )

@@ -1,6 +1,7 @@
 """A real node beside the kwok nodes: containerd, runc, the CNI bridge plugin and a kubelet built from the
 same Kubernetes module as the control plane. Pods placed on it run real containers from images built here
-(scripts/build-images.sh), imported into its containerd; nothing is pulled.
+(scripts/build-images.sh), imported into its containerd; nothing is pulled. Its GPUs come from a fake
+device plugin the kubelet talks to (devcluster/fakegpu, a stand-in for NVIDIA's; GPU_RESOURCE below).
 
 Needs root, Debian's containerd, runc and containernetworking-plugins (`can_run` says what is missing).
 Everything it makes lives under <workdir>/realnode-<i> and a short-path runtime directory (unix sockets
@@ -28,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from colocate_devcluster.binaries import MissingBinaries, find_fakegpu
 from colocate_devcluster.processes import Component, ComponentError, free_port
 
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
@@ -43,33 +45,28 @@ SERVICE_FQDN = "kubernetes.default.svc.cluster.local"
 PAUSE_IMAGE = "localhost/pause:colocate"
 
 
-# A STAND-IN for a GPU driver: the node advertises GPUs as a plain extended resource (Kubernetes' documented
-# way for node-level resources: a patch of the node's status; the kubelet keeps it and admits pods against it)
-# and no device plugin or DRA driver hands out devices, so the containers see none. Jobs use
-# gpu.allocation DevicePlugin to land there (a DRA claim would wait for a driver that is not there).
+# GPUs: a fake GPU driver the kubelet really talks to, a STAND-IN for NVIDIA's device plugin with no GPU
+# behind it (devcluster/fakegpu, built by scripts/build-tools.sh). It registers `nvidia.com/gpu` through the
+# kubelet's plugin watcher and offers GPUS fake devices; the kubelet puts them into the node's capacity and
+# allocatable and, for a container that asks for them, calls its Allocate, which sets
+# NVIDIA_VISIBLE_DEVICES to the devices' IDs (fake-gpu-0, ...). Containers see no device node (there is
+# none), so jobs there use gpu.allocation DevicePlugin (a DRA claim would wait for a driver that is not
+# there).
 GPU_RESOURCE = "nvidia.com/gpu"
+GPUS = 2
+GPU_ENV = "NVIDIA_VISIBLE_DEVICES"
+GPU_ID_PREFIX = "fake-gpu-"
 
 
-def advertise_gpus(count: int, resource: str = GPU_RESOURCE) -> list[str]:
-    """The kubectl arguments that give the node `count` of `resource` (the node's name to be appended)."""
-    key = resource.replace("~", "~0").replace("/", "~1")
-    patch = [
-        {"op": "add", "path": f"/status/{field}/{key}", "value": str(count)}
-        for field in ("capacity", "allocatable")
-    ]
-    return ["patch", "--subresource=status", "--type=json", "-p", json.dumps(patch), "node"]
-
-
-def dedicate(kubectl: Callable[..., Any], index: int = 0, gpus: int = 1) -> None:
-    """Make real node `index` the cluster's only schedulable node, untainted and with `gpus` GPUs (the
-    stand-in above): every pod created from now on, the operator's Redis included, runs a real container
-    there. `kubectl` is Cluster.kubectl. The kwok nodes are cordoned, not removed (their pods stay)."""
+def dedicate(kubectl: Callable[..., Any], index: int = 0) -> None:
+    """Make real node `index` the cluster's only schedulable node, untainted: every pod created from now on,
+    the operator's Redis included, runs a real container there. `kubectl` is Cluster.kubectl. The kwok nodes
+    are cordoned, not removed (their pods stay)."""
     name = node_name(index)
     others = [n for n in kubectl("get", "nodes", "-o", "name").stdout.split() if n != f"node/{name}"]
     if others:
         kubectl("cordon", *others)
     kubectl("taint", "node", name, f"{REAL_NODE_LABEL}-", check=False)  # already gone: fine
-    kubectl(*advertise_gpus(gpus), name)
 
 
 def node_name(index: int) -> str:
@@ -126,6 +123,7 @@ class RealNode:
     images: Path = field(default_factory=images_dir)
     say: Callable[[str], None] = print
     components: list[Component] = field(default_factory=list)
+    gpus: int = GPUS  # fake devices the node's device plugin offers
 
     # -- names and paths ----------------------------------------------------------------------------------
     @property
@@ -158,6 +156,12 @@ class RealNode:
         return ipaddress.IPv4Network(f"10.85.{octet}.0/24")
 
     @property
+    def plugins_registry(self) -> Path:
+        """The kubelet's plugin watcher directory (<root-dir>/plugins_registry): its own, unlike
+        /var/lib/kubelet/device-plugins/, which the kubelet hard-codes and empties when it starts."""
+        return self.dir / "kubelet" / "plugins_registry"
+
+    @property
     def cgroup_root(self) -> str:
         return f"/colocate-{self.bridge}"
 
@@ -169,6 +173,10 @@ class RealNode:
         kubelet = self.bin_dir / "kubelet"
         if not os.access(kubelet, os.X_OK):
             raise ComponentError(f"no kubelet in {self.bin_dir}; run `bash scripts/build-tools.sh`")
+        try:
+            fakegpu = find_fakegpu()
+        except MissingBinaries as err:
+            raise ComponentError(str(err)) from err
         self.teardown()  # what a killed run left behind
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,12 +233,45 @@ class RealNode:
         )
         node.start()
         self.components.append(node)
+        self.components.append(
+            Component(
+                f"fakegpu-{self.name}",
+                [
+                    str(fakegpu),
+                    f"--resource={GPU_RESOURCE}",
+                    f"--count={self.gpus}",
+                    f"--id-prefix={GPU_ID_PREFIX}",
+                    f"--env={GPU_ENV}",
+                    f"--registry-dir={self.plugins_registry}",
+                ],
+                self.dir / "fakegpu.log",
+            )
+        )
+        self.start_gpu_plugin()
+
+    @property
+    def gpu_plugin(self) -> Component:
+        return next(c for c in self.components if c.name == f"fakegpu-{self.name}")
+
+    def start_gpu_plugin(self) -> None:
+        """Start the fake GPU device plugin (again): the kubelet registers it from its socket."""
+        self.gpu_plugin.start()
+
+    def stop_gpu_plugin(self) -> None:
+        """Stop it (SIGTERM: it removes its socket); the kubelet then counts its devices unhealthy, so the
+        node's allocatable GPUs drop to 0."""
+        self.gpu_plugin.stop()
+
+    def kill_container(self, container_id: str) -> None:
+        """SIGKILL a container's process (`containerd://<id>` from a pod's status, or the bare id), as an
+        OOM kill or a crash would end it; the kubelet sees it exit 137."""
+        self._ctr("tasks", "kill", "--signal=SIGKILL", container_id.removeprefix("containerd://"))
 
     def teardown(self) -> None:
         """Stop the kubelet, every pod's containers and containerd, and remove everything the node made.
         Safe to call on a node that never started, or on what a killed run left behind."""
         for component in self.components:
-            if component.name.startswith(("kubelet-", "dns-")):
+            if component.name.startswith(("kubelet-", "dns-", "fakegpu-")):
                 component.stop()
         netns: set[str] = set()
         if self.socket.exists() and self._ctr("version", check=False).returncode == 0:

@@ -67,6 +67,22 @@ else
   log "built Kueue in $((SECONDS - kueue_start)) s: $kueue_out"
 fi
 
+# The fake GPU driver of the real node (devcluster/fakegpu: a device plugin the kubelet talks to, a stand-in
+# for NVIDIA's), a module of this repository: its own cache directory, keyed by its sources. Seconds to build
+# once the Kubernetes modules are in Go's cache (it needs grpc and k8s.io/kubelet's API packages only).
+fakegpu_src="$root/devcluster/fakegpu"
+fakegpu_key=$(cat "$fakegpu_src"/go.mod "$fakegpu_src"/go.sum "$fakegpu_src"/*.go | sha256sum | cut -c1-12)
+fakegpu_out="$cache_root/fakegpu-$fakegpu_key"
+if [ -x "$fakegpu_out/colocate-fakegpu" ]; then
+  log "fake GPU device plugin cached in $fakegpu_out"
+else
+  fakegpu_start=$SECONDS
+  rm -rf "$fakegpu_out.tmp" && mkdir -p "$fakegpu_out.tmp"
+  (cd "$fakegpu_src" && go build -trimpath -ldflags "-s -w" -o "$fakegpu_out.tmp/colocate-fakegpu" .)
+  rm -rf "$fakegpu_out" && mv "$fakegpu_out.tmp" "$fakegpu_out"
+  log "built the fake GPU device plugin in $((SECONDS - fakegpu_start)) s: $fakegpu_out"
+fi
+
 missing=()
 for b in "${binaries[@]}"; do [ -x "$out/$b" ] || missing+=("$b"); done
 if [ ${#missing[@]} -eq 0 ] && [ -s "$out/kwok-stages.yaml" ]; then log "control-plane binaries cached in $out"; echo "$out"; exit 0; fi
