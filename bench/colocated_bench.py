@@ -119,14 +119,13 @@ def run_reader(args: argparse.Namespace) -> None:
         for i, s in enumerate(shapes(int(args.size_gb * 1e9), args.tensors))
     }
     reader = new_reader(cfg, targets, device=0 if args.device == "cuda" else None)
-    reader.settings = dataclasses.replace(
-        reader.settings,
-        verify_checksums=False,
-        bench=ReaderBenchSwitches(
+    reader.settings = dataclasses.replace(reader.settings, verify_checksums=False)
+    reader.use_bench_switches(
+        ReaderBenchSwitches(
             blanket_gc=args.mode == "blanket_gc",
             copy_kernel=args.reader_copy == "kernel",
             overlap_open=not args.serial_open,
-        ),
+        )
     )
     floor = None
     if args.device == "cuda":

@@ -22,12 +22,13 @@ import gc
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,13 +89,24 @@ OVERLAP_MIN_BYTES = 64 << 20  # buckets this large start copying before the next
 @dataclass(frozen=True, slots=True)
 class ReaderBenchSwitches:
     """Benchmark-only: each switch brings back a cost the reader avoids, so a measurement can compare against
-    it (bench/colocated_bench.py). Nothing reads them from a `ColocateConfig`: a deployed reader runs these
-    defaults."""
+    it (bench/colocated_bench.py sets them with `WeightReader.use_bench_switches`). A deployed reader runs
+    these defaults."""
 
     blanket_gc: bool = False  # always gc.collect() at close (the baseline the benchmark compares)
     # One batched copy launch per bucket where Triton and CUDA are there (fastcopy.py).
     copy_kernel: bool = True
     overlap_open: bool = True  # enqueue a bucket's copies as soon as it is open, while the next ones open
+
+
+@dataclass(frozen=True, slots=True)
+class _Copied:
+    """What a step's open-and-copy leaves for its ACK (no view of a mapping: the close comes in between)."""
+
+    program: CopyProgram
+    nbytes: int  # bytes copied here
+    kept: tuple[int, ...]  # buckets read through kept mappings (the ACK's `kept`)
+    sums: torch.Tensor | None  # the weights check's sums of what was installed (None: no digest)
+    digest_s: float  # host time of the digest's launch
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +120,6 @@ class ReaderSettings:
     ready_spin_s: float = env.READY_SPIN_MS.default / 1e3  # poll for a step this long first (_spin_for_step)
     verify_checksums: bool = True  # compare the trainer's sampled checksums when the manifest has some
     allow_extra_entries: bool = False  # entries with no target are an error unless an exchange takes them
-    bench: ReaderBenchSwitches = field(default_factory=ReaderBenchSwitches)  # only benchmarks change these
 
     @staticmethod
     def from_config(cfg: ColocateConfig, *, rank: int = 0) -> ReaderSettings:
@@ -170,6 +181,10 @@ class WeightReader:
         self._layout_hash: tuple[tuple[PlacedEntry, ...], str] | None = None
         self._exchange_called: bool | None = None  # None outside a step; else whether this step called it
         self.preflight: PreflightResponder | None = None  # the IPC preflight responder; stopped at close
+        # The defaults of ReaderBenchSwitches, fixed here so the step reads no switch (use_bench_switches).
+        self._overlap_min_bytes: float = OVERLAP_MIN_BYTES
+        self._blanket_gc = False
+        self._copy_kernel = True
         for name, shard in self.target_shards.items():
             t = self.targets.get(name)
             if t is None or tuple(t.shape) != shard.box.lengths:
@@ -188,6 +203,14 @@ class WeightReader:
             info=lambda: {"state": self._state, "last": self.last_applied, "rank": self.settings.rank},
         ).start()
         return self
+
+    def use_bench_switches(self, switches: ReaderBenchSwitches) -> None:
+        """Benchmark only: bring back the costs `switches` names. Drops the compiled copy programs (the copy
+        kernel switch changes them)."""
+        self._overlap_min_bytes = OVERLAP_MIN_BYTES if switches.overlap_open else math.inf
+        self._blanket_gc = switches.blanket_gc
+        self._copy_kernel = switches.copy_kernel
+        self._programs = ProgramCache()
 
     def close(self) -> None:
         self._kept.drop_all("reader closed")
@@ -363,42 +386,8 @@ class WeightReader:
         self._state = "applying"
         seconds: dict[str, float] = {"fetch": fetch_s} if fetch_s else {}
         scope = ImportScope()
-        copied = 0
         try:
-            reason = self.store.abort_reason(gen, step) if abort is None else abort[0]
-            if reason is not None:
-                raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
-            t0 = time.perf_counter()
-            # Kept buckets are read through their anchors (opened at the first step that kept them); anchors
-            # the manifest no longer keeps are dropped here. The step opens the other buckets itself.
-            held = self._kept.hold([b for b in manifest.buckets if b.index in manifest.kept])
-            for index, anchor in held.tensors.items():
-                scope.borrow(index, anchor, opened=index in held.opened)
-            program = self._program(manifest)
-            # Open each bucket once; with overlap_open a large bucket's copies are enqueued at once (the
-            # device copies bucket i while the host opens bucket i+1); small buckets, whose copies would hide
-            # little, are copied after the last open. "open" is the time spent in the open calls, "copy" the
-            # rest until the device finished: together the wall time of both.
-            open_s = 0.0
-            pending: list[int] = []
-            for b in manifest.buckets:
-                if b.index not in held.tensors:
-                    o0 = time.perf_counter()
-                    scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
-                    open_s += time.perf_counter() - o0
-                if self.settings.bench.overlap_open and b.nbytes >= OVERLAP_MIN_BYTES:
-                    program.copy_bucket(b.index, scope.bucket)
-                else:
-                    pending.append(b.index)
-            for index in pending:
-                program.copy_bucket(index, scope.bucket)
-            copied = self._copy_rest(manifest, program, scope)
-            d0 = time.perf_counter()
-            sums = self._digest_launch(manifest, program, scope)  # read before the close, checked below
-            digest_s = time.perf_counter() - d0
-            self.importer.synchronize()  # the copy phase ends when the device is done with it
-            seconds["open"] = open_s
-            seconds["copy"] = time.perf_counter() - t0 - open_s - digest_s
+            copied = self._open_and_copy(manifest, scope, seconds, abort)
         except BaseException as err:
             # The traceback's frames hold views of the mappings: clear them, or the close cannot succeed.
             traceback.clear_frames(err.__traceback__)
@@ -406,7 +395,7 @@ class WeightReader:
             self._remember_unreleased(gen, step, scope, close)
             self._fail(manifest, err, close, seconds)
             raise
-        close = scope.close(self.importer.synchronize, blanket_gc=self.settings.bench.blanket_gc)
+        close = scope.close(self.importer.synchronize, blanket_gc=self._blanket_gc)
         seconds["close"] = close.seconds
         self._remember_unreleased(gen, step, scope, close)
         if not close.released:
@@ -421,27 +410,71 @@ class WeightReader:
                 self._fail(manifest, err, close, seconds)
                 raise
             seconds["finalize"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        wrong: list[str] = []
-        if sums is not None and manifest.digest is not None:
-            names = program.digests[manifest.digest.period].names  # the layout's, not built per step
-            wrong = digest.mismatches(names, digest.SampleProgram.finish(sums), manifest.digest.sums)
-            seconds["digest"] = digest_s + time.perf_counter() - t2
-        t2 = time.perf_counter()
-        mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
-        if manifest.checksums:
-            seconds["verify"] = time.perf_counter() - t2
+        return self._acknowledge(manifest, copied, close, seconds)
+
+    def _open_and_copy(
+        self,
+        manifest: Manifest,
+        scope: ImportScope,
+        seconds: dict[str, float],
+        abort: tuple[str | None] | None,
+    ) -> _Copied:
+        """Open each bucket once (kept ones through their anchors) into `scope` and copy the step into the
+        parameters; returns once the device is done. Nothing it returns holds a view of a mapping."""
+        gen, step = manifest.gen, manifest.step
+        reason = self.store.abort_reason(gen, step) if abort is None else abort[0]
+        if reason is not None:
+            raise StepAborted(f"step {step} aborted before opening: {reason}", step=step)
+        t0 = time.perf_counter()
+        # Kept buckets are read through their anchors (opened at the first step that kept them); anchors the
+        # manifest no longer keeps are dropped here. The step opens the other buckets itself.
+        held = self._kept.hold([b for b in manifest.buckets if b.index in manifest.kept])
+        for index, anchor in held.tensors.items():
+            scope.borrow(index, anchor, opened=index in held.opened)
+        program = self._program(manifest)
+        # Open each bucket once; a large bucket's copies are enqueued at once (the device copies bucket i
+        # while the host opens bucket i+1); small buckets, whose copies would hide little, are copied after
+        # the last open. "open" is the time spent in the open calls, "copy" the rest until the device
+        # finished: together the wall time of both.
+        open_s = 0.0
+        later: list[int] = []
+        for b in manifest.buckets:
+            if b.index not in held.tensors:
+                o0 = time.perf_counter()
+                scope.add(b.index, self.importer.open(b.descriptor, b.nbytes))
+                open_s += time.perf_counter() - o0
+            if b.nbytes >= self._overlap_min_bytes:
+                program.copy_bucket(b.index, scope.bucket)
+            else:
+                later.append(b.index)
+        for index in later:
+            program.copy_bucket(index, scope.bucket)
+        copied = self._copy_rest(manifest, program, scope)
+        d0 = time.perf_counter()
+        sums = self._digest_launch(manifest, program, scope)  # read before the close, checked after it
+        digest_s = time.perf_counter() - d0
+        self.importer.synchronize()  # the copy phase ends when the device is done with it
+        seconds["open"] = open_s
+        seconds["copy"] = time.perf_counter() - t0 - open_s - digest_s
+        return _Copied(program, copied, held.indices, sums, digest_s)
+
+    def _acknowledge(
+        self, manifest: Manifest, copied: _Copied, close: CloseReport, seconds: dict[str, float]
+    ) -> StepReport:
+        """Check what landed (the weights digest, sampled checksums), ACK with `ipc_closed`, report."""
+        gen, step = manifest.gen, manifest.step
+        wrong, mismatches = self._check(manifest, copied, seconds)
         error = _digest_error(step, wrong) if wrong else ""
         if mismatches and not wrong:
             error = f"checksum mismatch: {mismatches}"
         ack = Ack(
             status="error" if mismatches or wrong else "ok",
             ipc_closed=True,
-            bytes_copied=copied,
+            bytes_copied=copied.nbytes,
             seconds=seconds,
             gc_fallback=close.gc_fallback,
             checksum_mismatches=tuple(mismatches),
-            digest_checked=0 if sums is None else len(manifest.entries),
+            digest_checked=0 if copied.sums is None else len(manifest.entries),
             digest_mismatches=tuple(wrong[:DIGEST_NAMES_MAX]),
             error=error,
             reader_pid=os.getpid(),
@@ -449,7 +482,7 @@ class WeightReader:
             **self._signed(gen, step),
             opened=close.opened,
             held=self._held(),
-            kept=held.indices,
+            kept=copied.kept,
         )
         t3 = time.perf_counter()
         self.last_applied = (gen, step)
@@ -462,28 +495,42 @@ class WeightReader:
         seconds["ack"] = time.perf_counter() - t3
         self._state = "idle"
         report = StepReport(
-            gen, step, manifest.weight_version, copied, len(manifest.buckets), seconds, close.gc_fallback
+            gen,
+            step,
+            manifest.weight_version,
+            copied.nbytes,
+            len(manifest.buckets),
+            seconds,
+            close.gc_fallback,
         )
-        self._emit(
-            manifest,
-            [
-                ("opened", seconds.get("open", 0.0)),
-                ("copied", seconds.get("copy", 0.0)),
-                ("closed", close.seconds),
-                ("acked", seconds["ack"]),
-            ],
-            report,
-            error,
-        )
+        phases = [("opened", seconds.get("open", 0.0)), ("copied", seconds.get("copy", 0.0))]
+        self._emit(manifest, [*phases, ("closed", close.seconds), ("acked", seconds["ack"])], report, error)
         if wrong:
             raise WeightsMismatch(error, parameters=tuple(wrong), step=step)
         if mismatches:
             raise StepFailed(f"step {step}: sampled checksums differ for {mismatches}", step=step)
         self.weight_version = manifest.weight_version
-        self.history.record(UpdateRecord(gen, step, self._hash_of(manifest), copied, report.seconds))
+        self.history.record(UpdateRecord(gen, step, self._hash_of(manifest), copied.nbytes, report.seconds))
         if self.history.layout_changed():
             log.warning("step %d: the trainer's layout changed since the previous update", step)
         return report
+
+    def _check(
+        self, manifest: Manifest, copied: _Copied, seconds: dict[str, float]
+    ) -> tuple[list[str], list[str]]:
+        """The parameters whose installed sample differs from the trainer's digest, and those whose sampled
+        checksum differs (each empty when the manifest carries none)."""
+        t2 = time.perf_counter()
+        wrong: list[str] = []
+        if copied.sums is not None and manifest.digest is not None:
+            names = copied.program.digests[manifest.digest.period].names  # the layout's, not built per step
+            wrong = digest.mismatches(names, digest.SampleProgram.finish(copied.sums), manifest.digest.sums)
+            seconds["digest"] = copied.digest_s + time.perf_counter() - t2
+        t2 = time.perf_counter()
+        mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
+        if manifest.checksums:
+            seconds["verify"] = time.perf_counter() - t2
+        return wrong, mismatches
 
     @torch.no_grad()
     def _copy_rest(self, manifest: Manifest, program: CopyProgram, scope: ImportScope) -> int:
@@ -573,7 +620,7 @@ class WeightReader:
     def _kernel_device(self) -> torch.device | None:
         """The device whose buckets the batched copy kernel copies, or None to copy entry by entry."""
         device = getattr(self.importer, "device", None)
-        if not self.settings.bench.copy_kernel or not isinstance(device, torch.device):
+        if not self._copy_kernel or not isinstance(device, torch.device):
             return None
         return device if fastcopy.available(device) else None
 

@@ -21,7 +21,7 @@ from colocate_runtime.colocated.digest import SampleProgram
 from colocate_runtime.colocated.fp8_block import BlockFp8
 from colocate_runtime.colocated.fp8_copy import FP32_SCALES
 from colocate_runtime.colocated.gather import GatherProgram, compile_gather
-from colocate_runtime.colocated.manifest import Manifest
+from colocate_runtime.colocated.manifest import BucketRecord, Manifest
 from colocate_runtime.colocated.outcome import StepFailed
 from colocate_runtime.colocated.views import dtype_name, entry_view
 from colocate_runtime.dtypes import torch_dtype
@@ -199,37 +199,47 @@ def compile_program(
         program.copied_bytes += gather.copied_bytes
     for b in manifest.buckets:
         entries = sorted(direct.get(b.index, ()), key=lambda e: e.offset)
-        if not entries:
-            continue
-        dtype = torch_dtype(b.dtype)
-        esize = DTYPE_BYTES[b.dtype]
-        bp = BucketProgram(b.index, dtype, [], [])
-        if device is not None:
-            fast = [e for e in entries if fastcopy.eligible(targets[e.name], e.nbytes, e.offset, device)]
-            if len(fast) >= 2:  # for one entry a copy_ is one launch too, and a cheaper one
-                bp.table = fastcopy.build([(e.offset, targets[e.name], e.nbytes) for e in fast], device)
-                taken = {id(e) for e in fast}
-                entries = [e for e in entries if id(e) not in taken]
-        pos = 0
-        for e in entries:
-            start = e.offset // esize
-            if start > pos:
-                bp.sizes.append(start - pos)  # alignment padding
-            target = targets[e.name]
-            contiguous = target.is_contiguous()
-            bp.copies.append(
-                (
-                    len(bp.sizes),
-                    target.view(-1) if contiguous else target,
-                    None if contiguous else e.shape,
-                )
-            )
-            bp.sizes.append(e.nbytes // esize)
-            pos = start + e.nbytes // esize
-        if pos < b.nbytes // esize:
-            bp.sizes.append(b.nbytes // esize - pos)
-        program.buckets[b.index] = bp
+        if entries:
+            program.buckets[b.index] = _bucket_program(b, entries, targets, device)
     return program
+
+
+def _bucket_program(
+    b: BucketRecord,
+    entries: list[PlacedEntry],
+    targets: Mapping[str, torch.Tensor],
+    device: torch.device | None,
+) -> BucketProgram:
+    """One bucket's whole-parameter copies (`entries` by offset): the batched kernel's table for those it can
+    take, and one split covering the bucket (padding included) whose chunks the rest copy from."""
+    dtype = torch_dtype(b.dtype)
+    esize = DTYPE_BYTES[b.dtype]
+    bp = BucketProgram(b.index, dtype, [], [])
+    if device is not None:
+        fast = [e for e in entries if fastcopy.eligible(targets[e.name], e.nbytes, e.offset, device)]
+        if len(fast) >= 2:  # for one entry a copy_ is one launch too, and a cheaper one
+            bp.table = fastcopy.build([(e.offset, targets[e.name], e.nbytes) for e in fast], device)
+            taken = {id(e) for e in fast}
+            entries = [e for e in entries if id(e) not in taken]
+    pos = 0
+    for e in entries:
+        start = e.offset // esize
+        if start > pos:
+            bp.sizes.append(start - pos)  # alignment padding
+        target = targets[e.name]
+        contiguous = target.is_contiguous()
+        bp.copies.append(
+            (
+                len(bp.sizes),
+                target.view(-1) if contiguous else target,
+                None if contiguous else e.shape,
+            )
+        )
+        bp.sizes.append(e.nbytes // esize)
+        pos = start + e.nbytes // esize
+    if pos < b.nbytes // esize:
+        bp.sizes.append(b.nbytes // esize - pos)
+    return bp
 
 
 def _plan_entry(
