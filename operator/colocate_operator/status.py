@@ -166,6 +166,7 @@ def owned_keys(owner: Owner) -> tuple[str, ...]:
 
 
 RECONCILER_KEYS = owned_keys(Owner.RECONCILER)
+_RECONCILER_FIELDS = frozenset(name for name in JobStatus.model_fields if Owner.RECONCILER in owners(name))
 STEP_KEYS = owned_keys(Owner.STEPS)
 _STEP_FIELDS = tuple(name for name in JobStatus.model_fields if Owner.STEPS in owners(name))
 
@@ -198,6 +199,43 @@ def step_patch(
     return {**part, _alias("conditions"): conditions}
 
 
+class PodsPart(_Model):
+    """What the current group's pods show: status.replicas, status.ready, status.resourceClaims."""
+
+    replicas: ReplicaStatus
+    ready: str
+    resource_claims: tuple[ClaimStatus, ...] = ()
+
+
+class EnginesPart(_Model):
+    """SGLang's in-place restarts (decide.py): a field left unset is not written."""
+
+    engine_restarts: int | None = None
+    engine_restarts_counted: int | None = None
+
+
+def with_part(status: JobStatus, part: BaseModel) -> JobStatus:
+    """`status` with the fields `part` set (a partial model's fields are named as JobStatus's)."""
+    return with_fields(status, **{name: getattr(part, name) for name in part.model_fields_set})
+
+
+def with_fields(status: JobStatus, **fields: Any) -> JobStatus:
+    """`status` with `fields` replaced; a name JobStatus lacks is an error, not a key silently dropped."""
+    unknown = set(fields) - set(JobStatus.model_fields)
+    if unknown:
+        raise ValueError(f"no status fields {sorted(unknown)} (status.py)")
+    return status.model_copy(update=fields)
+
+
+def reconciler_status(status: JobStatus, conditions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reconciler's desired status as written (camelCase, no None): `status`'s reconciler fields with
+    `conditions` (already merged, passed through as they are: other writers' conditions stay untouched)."""
+    part = status.model_dump(
+        mode="json", by_alias=True, exclude_none=True, include=set(_RECONCILER_FIELDS) - {"conditions"}
+    )
+    return {**part, _alias("conditions"): conditions}
+
+
 @dataclass(frozen=True)
 class StatusView:
     """Typed reads of a status as the API server holds it, for the modules that ask one thing of it (an event
@@ -222,19 +260,62 @@ class StatusView:
         return bool(self.raw.get(_alias("group_created")))
 
     @property
+    def start_time(self) -> str | None:
+        return self.raw.get(_alias("start_time")) or None
+
+    @property
+    def last_restart_time(self) -> str | None:
+        return self.raw.get(_alias("last_restart_time")) or None
+
+    @property
+    def completion_time(self) -> str | None:
+        return self.raw.get(_alias("completion_time")) or None
+
+    @property
+    def suspension(self) -> SuspensionStatus | None:
+        raw = self.raw.get(_alias("suspension"))
+        return SuspensionStatus.model_validate(raw) if raw else None
+
+    @property
+    def engine_restarts(self) -> int | None:
+        """None when the status never counted one (the key is then not written either)."""
+        value = self.raw.get(_alias("engine_restarts"))
+        return None if value is None else int(value)
+
+    @property
+    def engine_restarts_counted(self) -> int | None:
+        value = self.raw.get(_alias("engine_restarts_counted"))
+        return None if value is None else int(value)
+
+    @property
+    def conditions(self) -> list[dict[str, Any]]:
+        return list(self.raw.get(_alias("conditions")) or [])
+
+    @property
+    def sync_phase(self) -> str | None:
+        """status.weightSync.currentPhase as written (None before the step follower wrote one)."""
+        return self._weight_sync.get(WeightSyncStatus.model_fields["current_phase"].alias)
+
+    @property
+    def last_completed_step(self) -> int | None:
+        return self._weight_sync.get(WeightSyncStatus.model_fields["last_completed_step"].alias)
+
+    @property
+    def _weight_sync(self) -> Mapping[str, Any]:
+        return self.raw.get(_alias("weight_sync")) or {}
+
+    @property
     def final_step_recorded(self) -> bool:
         """Whether the step follower wrote the trainer's final record."""
-        weight_sync = self.raw.get(_alias("weight_sync")) or {}
-        return bool(weight_sync.get(WeightSyncStatus.model_fields["final_step_recorded"].alias))
+        return bool(self._weight_sync.get(WeightSyncStatus.model_fields["final_step_recorded"].alias))
 
     @property
     def final_failure(self) -> str | None:
         """The trainer's message when its final record says the training failed; None otherwise (no final
         record, or a successful one: a status written before `finalResult` existed had only successes)."""
-        weight_sync = self.raw.get(_alias("weight_sync")) or {}
-        if weight_sync.get(WeightSyncStatus.model_fields["final_result"].alias) != "Failed":
+        if self._weight_sync.get(WeightSyncStatus.model_fields["final_result"].alias) != "Failed":
             return None
-        return weight_sync.get(WeightSyncStatus.model_fields["final_message"].alias) or "no message"
+        return self._weight_sync.get(WeightSyncStatus.model_fields["final_message"].alias) or "no message"
 
     @property
     def rollout_breach_since(self) -> float:
