@@ -108,6 +108,21 @@ def register(
     `election`: run as one of several replicas (leader.py): everything that writes (the reconcile workers,
     the resync, the pod watch, the step followers) starts only once this replica leads; a standby only
     keeps its job index warm from kopf's watch."""
+    _register_lifecycle(registry, config, kube, namespaces, election)
+    _register_job_events(registry)
+    _register_child_events(registry)
+    stepwatch.register(registry, config, kube, watch_jobs=False)  # job_event calls job_seen
+    _register_probe(registry)
+
+
+def _register_lifecycle(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    kube: Kube | None,
+    namespaces: Sequence[str],
+    election: leader.Settings | None,
+) -> None:
+    """Startup (the reconciler, then leading at once or once elected) and cleanup (the workers stop)."""
 
     @kopf.on.startup(id="event-loop", registry=registry)
     async def remember_loop(memo: kopf.Memo, **_: Any) -> None:
@@ -140,6 +155,8 @@ def register(
                 worker.join(timeout=5)
             memo.elector.release()
 
+
+def _register_job_events(registry: kopf.OperatorRegistry) -> None:
     # The one handler of job events: the reconciler's index and queue, then the job's step follower (kopf's
     # per-handler machinery costs about as much as the handler's own work, so one call, not two).
     @kopf.on.event(*JOB, id="job", registry=registry)
@@ -155,6 +172,10 @@ def register(
                 memo.reconciler.enqueue(namespace, name)
         if "leading" in memo and memo.leading.is_set():
             stepwatch.job_seen(memo, event.get("type"), body, namespace, name)
+
+
+def _register_child_events(registry: kopf.OperatorRegistry) -> None:
+    """The job's Redis Deployment and its Kueue Workload: a change a decision reads queues the job."""
 
     @kopf.on.event(
         "apps",
@@ -187,8 +208,8 @@ def register(
         if "reconciler" in memo:
             memo.reconciler.enqueue(namespace, labels[LABEL_JOB], delay=CHILD_EVENT_BATCH_SECONDS)
 
-    stepwatch.register(registry, config, kube, watch_jobs=False)  # job_event above calls job_seen
 
+def _register_probe(registry: kopf.OperatorRegistry) -> None:
     @kopf.on.probe(id="reconciles", registry=registry)
     def reconciles(memo: kopf.Memo, **_: Any) -> dict[str, float]:
         stats = memo.reconciler.stats

@@ -17,13 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from colocate_operator import (
     checkpoints,
-    gang,
+    children,
     gpus,
     kube,
     kube_events,
@@ -229,124 +229,142 @@ class Reconciler:
         return self._execute(job, body, plan)
 
     def _observe(self, job: ColocateJob, status: dict[str, Any]) -> Observed:
+        """What exists of the job: its pods, its children (the table in children.py), their facts."""
+        pods = self._pods(job)
+        found = _Found(conflicts=self.known.conflicts(job.ref.uid))
+        table = children.of(job, self.config)
+        whole = [self._read_whole(job, status, c, found) for c in table if c.read == children.Read.WHOLE]
+        metastore_ready = any(whole)  # the Redis Deployment is the one child read whole
+        external_found = None if job.spec.meta_store.mode == "Managed" else self._external_secret_found(job)
+        self._read_children(job, status, table, found)
+        self._read_pod_conflicts(job, pods, found)
+        device_class_found: bool | None = None
+        if gpus.uses_dra(job) and not StatusView(status).group_created and not job.spec.suspend:
+            device_class_found = self._device_class_found(job.spec.gpu.device_class_name)
+        return Observed(
+            pods=pods,
+            children=frozenset(found.children),
+            foreign=tuple(found.foreign),
+            metastore_pods=self._metastore_pods(job, found),
+            metastore_ready=metastore_ready,
+            external_secret_found=external_found,
+            device_class_found=device_class_found,
+            claims=self._claims(job, pods),
+        )
+
+    def _pods(self, job: ColocateJob) -> tuple[PodState, ...]:
         ns, name, uid = job.ref.namespace, job.ref.name, job.ref.uid
         pods = self.indexes.pods(ns, name, uid)
         if pods is None:
             items, at = self.api.list_at(kube.PODS, ns, names.label_selector(name, COMPONENT_WORKER))
             pods = tuple(PodState.from_body(p, uid) for p in items)
             self.indexes.read_pods(ns, name, items, at)
-        children: set[str] = set()
-        wanted = [
-            (kube.SERVICES, "Service", names.headless_service(name)),
-            (kube.NETWORK_POLICIES, "NetworkPolicy", names.worker_network_policy(name)),
-            (kube.DISRUPTION_BUDGETS, "PodDisruptionBudget", names.disruption_budget(name)),
-        ]
-        if gpus.uses_dra(job):
-            wanted.append((kube.CLAIM_TEMPLATES, "ResourceClaimTemplate", names.claim_template(name)))
-        if self.config.native_gang:
-            wanted += [
-                (kube.GANG_WORKLOADS, "Workload", gang.name(name)),
-                (kube.POD_GROUPS, "PodGroup", gang.name(name)),
-            ]
-        metastore_ready = False
-        external_found: bool | None = None
-        # A job no pass has written status for is new: its children exist only if an operator died between
-        # creating them and writing status. Create without looking first; a 409 means it exists, and the
-        # next pass reads it (saves a read per child, and a 404 in the API server's error counts).
-        new_job = not status
-        # Names a create found taken (409): read until they are ours or gone. An object of a child's name
-        # that is not the job's becomes a condition (ForeignChild), never counts as the child.
-        conflicts = self.known.conflicts(uid)
-        foreign: list[ForeignChild] = []
-        if job.spec.meta_store.mode == "Managed":
-            wanted += [
-                (kube.SECRETS, "Secret", names.metastore_secret(name)),
-                (kube.SERVICES, "Service", names.metastore(name)),
-                (kube.NETWORK_POLICIES, "NetworkPolicy", names.metastore(name)),
-            ]
-            key = f"Deployment/{names.metastore(name)}"
-            deployment = (
-                None
-                if new_job and key not in conflicts
-                else self.api.get(kube.DEPLOYMENTS, ns, names.metastore(name))
-            )
-            if deployment is not None and _is_owned(deployment, uid):
-                children.add(key)
-                metastore_ready = int((deployment.get("status") or {}).get("readyReplicas") or 0) >= 1
-            elif deployment is not None:
-                foreign.append(ForeignChild.from_body(key, deployment))
-            if key in conflicts and (deployment is None or key in children):
-                self.known.resolved(uid, key)
-        else:
-            external_found = self._external_secret_found(job)
+        return pods
+
+    def _read_whole(
+        self, job: ColocateJob, status: dict[str, Any], child: children.Child, found: _Found
+    ) -> bool:
+        """A child read whole on every pass (the Redis Deployment): whether it is ours and ready.
+
+        A job no pass has written status for is new: its children exist only if an operator died between
+        creating them and writing status. Create without looking first; a 409 means it exists, and the next
+        pass reads it (saves a read per child, and a 404 in the API server's error counts)."""
+        uid, key = job.ref.uid, child.key
+        body = None if not status and key not in found.conflicts else self._get(job, child)
+        ready = False
+        if body is not None and _is_owned(body, uid):
+            found.children.add(key)
+            ready = int((body.get("status") or {}).get("readyReplicas") or 0) >= 1
+        elif body is not None:
+            found.foreign.append(ForeignChild.from_body(key, body))
+        if key in found.conflicts and (body is None or key in found.children):
+            self.known.resolved(uid, key)
+        return ready
+
+    def _read_children(
+        self, job: ColocateJob, status: dict[str, Any], table: tuple[children.Child, ...], found: _Found
+    ) -> None:
+        """Existence and owner of the children read by metadata, unless remembered. Names a create found
+        taken (409) are read until they are ours or gone; an object of a child's name that is not the job's
+        becomes a condition (ForeignChild), never counts as the child."""
+        uid = job.ref.uid
         known = self.known.children(uid)
         seen: set[str] = set()
-        for kind, kind_name, child in wanted:
-            key = f"{kind_name}/{child}"
-            if key in known and key not in conflicts:
-                children.add(key)
+        for child in table:
+            key = child.key
+            if child.read in (children.Read.WHOLE, children.Read.ELSEWHERE):
+                continue
+            if key in known and key not in found.conflicts:
+                found.children.add(key)
                 continue
             # The budget is wanted only once the gang is ready (decide.py): before the job last ran, it is not
             # read (a 404 on every pass of a bring-up) but created without looking, as a new job's children.
-            unread = new_job or (kind_name == "PodDisruptionBudget" and status.get("phase") != Phase.RUNNING)
-            if unread and key not in conflicts:
+            ran = StatusView(status).phase == Phase.RUNNING
+            unread = not status or (child.read == children.Read.ONCE_RAN and not ran)
+            if unread and key not in found.conflicts:
                 continue
             # Metadata only: existence and owner are all we need, and a Secret's data never enters memory.
-            meta = self.api.get(kind, ns, child, metadata_only=True)
+            meta = self._get(job, child, metadata_only=True)
             if meta is not None and _is_owned(meta, uid):
                 seen.add(key)
             elif meta is not None:
-                foreign.append(ForeignChild.from_body(key, meta))
-            if key in conflicts and key not in {f.key for f in foreign}:
+                found.foreign.append(ForeignChild.from_body(key, meta))
+            if key in found.conflicts and key not in {f.key for f in found.foreign}:
                 self.known.resolved(uid, key)
-        for key in sorted(c for c in conflicts if c.startswith("Pod/")):
+        found.children |= seen
+        self.known.saw_children(uid, seen)
+
+    def _get(
+        self, job: ColocateJob, child: children.Child, *, metadata_only: bool = False
+    ) -> dict[str, Any] | None:
+        kind = self.api.kind_of({"apiVersion": child.api_version, "kind": child.kind})
+        if metadata_only:
+            return self.api.get(kind, job.ref.namespace, child.name, metadata_only=True)
+        return self.api.get(kind, job.ref.namespace, child.name)
+
+    def _read_pod_conflicts(self, job: ColocateJob, pods: tuple[PodState, ...], found: _Found) -> None:
+        """A pod name a create found taken: someone else's pod, or ours (resolved)."""
+        uid = job.ref.uid
+        for key in sorted(c for c in found.conflicts if c.startswith("Pod/")):
             pod_name = key.removeprefix("Pod/")
             meta = (
                 None
                 if any(p.name == pod_name and p.owned for p in pods)
-                else self.api.get(kube.PODS, ns, pod_name, metadata_only=True)
+                else self.api.get(kube.PODS, job.ref.namespace, pod_name, metadata_only=True)
             )
             if meta is not None and not _is_owned(meta, uid):
-                foreign.append(ForeignChild.from_body(key, meta))
+                found.foreign.append(ForeignChild.from_body(key, meta))
             else:
                 self.known.resolved(uid, key)
-        children |= seen
-        self.known.saw_children(uid, seen)
-        # This job's Redis runs but its Secret is gone (deleted behind our back): a new Secret means a new
-        # password, so Redis must restart on it too (decide.py); its pods are the only ones read for that.
-        secret_key = f"Secret/{names.metastore_secret(name)}"
-        metastore_pods: tuple[tuple[str, str], ...] = ()
+
+    def _metastore_pods(self, job: ColocateJob, found: _Found) -> tuple[tuple[str, str], ...]:
+        """This job's Redis runs but its Secret is gone (deleted behind our back): a new Secret means a new
+        password, so Redis must restart on it too (decide.py); its pods are the only ones read for that."""
+        secret_key = children.secret_key(job)
         if (
-            f"Deployment/{names.metastore(name)}" in children
-            and secret_key not in children
-            and all(f.key != secret_key for f in foreign)
+            children.deployment_key(job) not in found.children
+            or secret_key in found.children
+            or any(f.key == secret_key for f in found.foreign)
         ):
-            metastore_pods = tuple(
-                (p["metadata"]["name"], p["metadata"]["uid"])
-                for p in self.api.list(kube.PODS, ns, names.label_selector(name, COMPONENT_METASTORE))
-            )
-        device_class_found: bool | None = None
-        if gpus.uses_dra(job) and not StatusView(status).group_created and not job.spec.suspend:
-            device_class_found = self._device_class_found(job.spec.gpu.device_class_name)
-        # Each claim by name: a namespace-wide list would grow with every other job's claims.
+            return ()
+        selector = names.label_selector(job.ref.name, COMPONENT_METASTORE)
+        return tuple(
+            (p["metadata"]["name"], p["metadata"]["uid"])
+            for p in self.api.list(kube.PODS, job.ref.namespace, selector)
+        )
+
+    def _claims(self, job: ColocateJob, pods: tuple[PodState, ...]) -> dict[str, ClaimState]:
+        """Each claim by name: a namespace-wide list would grow with every other job's claims."""
+        uid = job.ref.uid
         wanted_claims = {p.claim for p in pods if p.claim}
         allocated = self.known.claims(uid)
         claims = {name: allocated[name] for name in wanted_claims if name in allocated}
         for claim_name in sorted(wanted_claims - claims.keys()):
-            body = self.api.get(kube.CLAIMS, ns, claim_name)
+            body = self.api.get(kube.CLAIMS, job.ref.namespace, claim_name)
             if body is not None:
                 claims[claim_name] = ClaimState.from_body(body)
         self.known.saw_claims(uid, claims)
-        return Observed(
-            pods=pods,
-            children=frozenset(children),
-            foreign=tuple(foreign),
-            metastore_pods=metastore_pods,
-            metastore_ready=metastore_ready,
-            external_secret_found=external_found,
-            device_class_found=device_class_found,
-            claims=claims,
-        )
+        return claims
 
     def _final_record(self, job: ColocateJob, status: dict[str, Any], observed: Observed) -> Observed:
         """The catch-up barrier (M4): before a pod's exit counts as one without the final record, the step
@@ -435,7 +453,7 @@ class Reconciler:
             )
             # The store may be what this plan re-creates (a Secret deleted while suspended) or what must be
             # read again: its children are read afresh by the next pass, not trusted from memory.
-            for child in _metastore_children(job.ref.name):
+            for child in sorted(children.metastore_keys(job) - {children.deployment_key(job)}):
                 self.known.lost_child(job.ref.uid, child)
         if not written:
             if plan.checkpoint is None or not plan.checkpoint.withdraw:
@@ -594,6 +612,15 @@ class Reconciler:
         kube_events.post_event(self.api, body, event.type, event.reason, event.message)
 
 
+@dataclass
+class _Found:
+    """What one pass's reads found of the job's children."""
+
+    conflicts: frozenset[str]  # names a create found taken (409), read until resolved
+    children: set[str] = field(default_factory=set)  # keys (Kind/name) of the children that are the job's
+    foreign: list[ForeignChild] = field(default_factory=list)  # objects holding a child's name, not ours
+
+
 def _announces(event: EventSpec, held: set[str]) -> bool:
     """The Event announces creating children of a kind this pass held back (it would be posted again by
     the pass that creates them: after an operator restart or a leader change, twice)."""
@@ -608,12 +635,3 @@ def _wave(kind: str) -> int:
 
 def _is_owned(body: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (body.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def _metastore_children(name: str) -> tuple[str, ...]:
-    """The Managed meta-store's children a checkpoint write depends on, as `known` names them."""
-    return (
-        f"Secret/{names.metastore_secret(name)}",
-        f"Service/{names.metastore(name)}",
-        f"NetworkPolicy/{names.metastore(name)}",
-    )
