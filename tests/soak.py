@@ -394,6 +394,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             "failed": len(world.failed),
             "takeoverSeconds": world.takeovers,
             "maxOperatorRssMiB": round(world.max_rss_mib, 1),
+            # kube-scheduler exits on purpose on a corrupted cache; devcluster restarts it as a kubelet would
+            "controlPlaneRestarts": cluster.supervisor.restarts if cluster.supervisor else {},
             "violations": world.violations,
             "logs": str(workdir),
         }
