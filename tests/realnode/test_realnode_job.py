@@ -1,14 +1,19 @@
 """A ColocateJob on real containers: the chart's operator (a container on the real node, its ServiceAccount's
 RBAC only) reconciles a job whose Redis, trainer and SGLang stand-in all run as real containers on the real
 node, from the images `make images` built, in a namespace that enforces Pod Security "restricted". The
-trainer completes weight-update steps into the stand-in over the pod's shared /dev/shm (the CPU stand-in
-for CUDA IPC), and its final record reaches the pod's status as its termination message; the stand-in then
-leaves (ROLLOUT below) and the job ends Succeeded.
+trainer gets its GPU from the node's fake device plugin through the kubelet and completes weight-update
+steps into the stand-in over the pod's shared /dev/shm (the CPU stand-in for CUDA IPC). After the first step
+the SGLang container's process is SIGKILLed (containerd, as an OOM kill would end it): the kubelet restarts
+that container alone, in the same pod, and the trainer, never restarted, pushes its current weights to the new
+engine, bit for bit. Its final record reaches the pod's status as its termination message and the job ends
+Succeeded although the stand-in, like an SGLang server, never exits by itself: the operator ends the job and
+deletes the pod.
 
-Stand-ins, named: the node's GPUs are an extended resource with no device behind it (realnode.advertise_gpus,
-so the job uses gpu.allocation DevicePlugin); the node's DNS answers Service names with pod IPs (no CoreDNS,
-no kube-proxy: colocate_devcluster.dns); the containers' commands set COLOCATE_TRANSPORT=SharedMemory
-themselves, since the CRD allows only CudaIPC and reserves COLOCATE_* in spec env."""
+Stand-ins, named: the node's GPUs come from a fake device plugin (devcluster/fakegpu: NVIDIA_VISIBLE_DEVICES
+names a fake device, no device node), so the job uses gpu.allocation DevicePlugin; the node's DNS answers
+Service names with pod IPs (no CoreDNS, no kube-proxy: colocate_devcluster.dns); the containers' commands set
+COLOCATE_TRANSPORT=SharedMemory themselves, since the CRD allows only CudaIPC and reserves COLOCATE_* in spec
+env."""
 
 from __future__ import annotations
 
@@ -19,9 +24,16 @@ from typing import Any
 import pytest
 
 from colocate_devcluster import Cluster
-from colocate_devcluster.realnode import REAL_NODE_LABEL, REAL_NODE_TOLERATION, dedicate, node_name
+from colocate_devcluster.realnode import (
+    GPU_ENV,
+    GPU_ID_PREFIX,
+    REAL_NODE_LABEL,
+    REAL_NODE_TOLERATION,
+    dedicate,
+    node_name,
+)
 from colocate_runtime.contract.events import is_final_termination_message
-from tests.kube import get_json
+from tests.kube import get_json, wait_for
 from tests.realnode.conftest import SLOW
 
 # The first test of the tier builds the images when their inputs changed (scripts/build-images.sh: minutes
@@ -36,21 +48,18 @@ pytestmark = [
 
 RUNTIME_IMAGE = "localhost/colocate-runtime:0.1.0"  # scripts/build-images.sh
 REDIS_IMAGE = "localhost/colocate-redis:7.0-bookworm"
-STEPS = 2
+STEPS = 3
+KILL_AFTER = 1  # the SGLang container is killed once the trainer logged this step
+STEP_SECONDS = 3  # the trainer's pace: the kill lands well before its last step
 SHM = "COLOCATE_TRANSPORT=SharedMemory"  # the CPU path; the CRD's transport is CudaIPC only
 LOADER = "colocate_runtime.sglang.loader.load_colocated_step colocate_runtime.sglang.loader.start_colocated"
-# The SGLang stand-in, which leaves once the trainer has: the operator ends a job Succeeded only when every
-# container exited after the final record, and an SGLang server (real or stand-in) serves on by itself. The
-# pod shares one process namespace, so the rollout container sees the trainer's process come and go
-# (`traine[r]`: the pattern must not match this script's own command line).
-ROLLOUT = f"""{SHM} python -m colocate_runtime.sglang.standin \\
-  --host 0.0.0.0 --port "$COLOCATE_ROLLOUT_PORT" --custom-weight-loader {LOADER} &
-server=$!
-trainer() {{ grep -qs 'demo/traine[r][.]py' /proc/[0-9]*/cmdline; }}
-until trainer; do sleep 0.5; done
-while trainer; do sleep 0.5; done
-kill $server; wait $server; exit 0
-"""
+# The SGLang stand-in as the container's own process: it serves until it is killed, as a server does.
+ROLLOUT = (
+    f'{SHM} exec python -m colocate_runtime.sglang.standin --host 0.0.0.0 --port "$COLOCATE_ROLLOUT_PORT" '
+    f"--custom-weight-loader {LOADER}"
+)
+# The trainer says which GPU the device plugin gave it (not a JSON line: the test reads those as records).
+TRAINER = f'echo "{GPU_ENV}=${GPU_ENV}"; {SHM} exec python demo/trainer.py'
 
 
 def job_manifest(namespace: str) -> dict[str, Any]:
@@ -66,10 +75,10 @@ def job_manifest(namespace: str) -> dict[str, Any]:
             "scheduling": {"nodeSelector": {REAL_NODE_LABEL: "true"}, "tolerations": [REAL_NODE_TOLERATION]},
             "trainer": {
                 "image": RUNTIME_IMAGE,
-                "command": ["sh", "-c", f"{SHM} exec python demo/trainer.py"],
+                "command": ["sh", "-c", TRAINER],
                 "env": [
                     {"name": "DEMO_STEPS", "value": str(STEPS)},
-                    {"name": "DEMO_STEP_SECONDS", "value": "0"},
+                    {"name": "DEMO_STEP_SECONDS", "value": str(STEP_SECONDS)},
                 ],
             },
             "rollout": {"image": RUNTIME_IMAGE, "command": ["sh", "-c", ROLLOUT]},
@@ -79,29 +88,55 @@ def job_manifest(namespace: str) -> dict[str, Any]:
     }
 
 
+def _records(log: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
 @pytest.fixture(scope="module")
 def finished_job(real_cluster: Cluster, operator_namespace: str, job_namespace: str) -> dict[str, Any]:
-    """The job run to its end; what was seen on the way (pods as they ran, the trainer's log)."""
+    """The job run to its end, its SGLang container killed after step KILL_AFTER; what was seen on the way
+    (pods as they ran, the trainer's log, the kill, the rollout container when the trainer had exited)."""
     dedicate(real_cluster.kubectl)  # from now on every new pod lands on the real node, Redis included
+    node = real_cluster.real_nodes[0]
     namespace = job_namespace  # enforces Pod Security "restricted"; the operator manages it
     real_cluster.apply([job_manifest(namespace)])
-    seen: dict[str, Any] = {"namespace": namespace, "pods": {}, "trainer_log": ""}
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+    applied = time.monotonic()
+    seen: dict[str, Any] = {"namespace": namespace, "pods": {}, "trainer_log": "", "killed": None}
+
+    def observe() -> None:
         for pod in get_json(real_cluster, "pods", "-n", namespace)["items"]:
-            seen["pods"][pod["metadata"]["name"]] = pod
+            name = pod["metadata"]["name"]
+            seen["pods"][name] = pod
             trainer = _container_status(pod, "trainer")
-            if trainer and "terminated" in trainer.get("state", {}) and not seen["trainer_log"]:
-                name = pod["metadata"]["name"]
+            if not trainer or "metastore" in name:
+                continue
+            if "terminated" in trainer.get("state", {}):
+                if not seen["trainer_log"]:
+                    logs = real_cluster.kubectl("logs", name, "-c", "trainer", "-n", namespace, check=False)
+                    seen["trainer_log"] = logs.stdout
+                    seen["rollout_when_trainer_exited"] = _container_status(pod, "rollout")
+            elif seen["killed"] is None and "running" in trainer.get("state", {}):
                 logs = real_cluster.kubectl("logs", name, "-c", "trainer", "-n", namespace, check=False)
-                seen["trainer_log"] = logs.stdout
+                if any(r.get("step") == KILL_AFTER for r in _records(logs.stdout)):
+                    rollout = _container_status(pod, "rollout")
+                    assert rollout and "running" in rollout["state"], rollout
+                    node.kill_container(rollout["containerID"])
+                    seen["killed"] = {"pod_uid": pod["metadata"]["uid"], "container": rollout["containerID"]}
+                    print(f"\n[job] SGLang container killed {time.monotonic() - applied:.1f} s after apply")
+
+    deadline = time.monotonic() + 300
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        observe()
         status = get_json(real_cluster, "colocatejob", "rn", "-n", namespace).get("status", {})
         if status.get("phase") in ("Succeeded", "Failed"):
             seen["status"] = status
+            observe()  # the pods as the operator saw them when it decided (deleted only after a grace period)
+            print(f"[job] {status['phase']} {time.monotonic() - applied:.1f} s after apply")
             return seen
         time.sleep(1)
     pods = {n: p.get("status") for n, p in seen["pods"].items()}
-    raise AssertionError(f"the job did not finish in 180 s: {status}\npods: {json.dumps(pods)[-4000:]}")
+    raise AssertionError(f"the job did not finish in 300 s: {status}\npods: {json.dumps(pods)[-4000:]}")
 
 
 def _container_status(pod: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -146,13 +181,60 @@ def test_steps_complete_over_shared_memory(finished_job: dict[str, Any]) -> None
     status = finished_job["status"]
     assert status["phase"] == "Succeeded", status
     assert status["weightSync"]["lastCompletedStep"] == STEPS, status["weightSync"]
-    steps = [json.loads(line) for line in finished_job["trainer_log"].splitlines() if line.startswith("{")]
+    steps = [r for r in _records(finished_job["trainer_log"]) if "step" in r]
     assert [s.get("step") for s in steps] == list(range(1, STEPS + 1)), finished_job["trainer_log"][-3000:]
     assert all(s["rollout_matches_trainer"] and s["bytes"] > 0 for s in steps), steps
 
 
+def test_the_trainer_got_its_gpu_from_the_device_plugin(finished_job: dict[str, Any]) -> None:
+    first = finished_job["trainer_log"].splitlines()[0]
+    assert first.startswith(f"{GPU_ENV}={GPU_ID_PREFIX}"), finished_job["trainer_log"][:500]
+
+
+def test_a_killed_sglang_container_restarts_in_place_and_the_weights_are_pushed_again(
+    finished_job: dict[str, Any],
+) -> None:
+    killed = finished_job["killed"]
+    assert killed, f"the trainer never logged step {KILL_AFTER} while running"
+    (pod,) = [p for n, p in finished_job["pods"].items() if "metastore" not in n]
+    assert pod["metadata"]["uid"] == killed["pod_uid"]  # the same pod: no group restart
+    rollout = _container_status(pod, "rollout")
+    assert rollout["restartCount"] == 1, rollout  # the kubelet restarted it, alone
+    assert rollout["lastState"]["terminated"]["exitCode"] == 137, rollout
+    assert rollout["containerID"] != killed["container"], rollout
+    assert _container_status(pod, "trainer")["restartCount"] == 0
+    records = _records(finished_job["trainer_log"])
+    repushed = [r for r in records if "repushed" in r]
+    # Once, the last step the trainer had installed (or the next, had the kill come after its publish),
+    # bit for bit, and no training step was lost or repeated.
+    assert len(repushed) == 1, records
+    assert repushed[0]["repushed"] in (KILL_AFTER, KILL_AFTER + 1) and repushed[0]["bitwise"] is True, (
+        repushed
+    )
+    assert not [r for r in records if "error" in r], records
+    status = finished_job["status"]
+    assert status.get("engineRestarts") == 1 and status.get("restarts", 0) == 0, status
+
+
+def test_the_job_succeeds_and_its_pod_goes_although_sglang_never_exits(
+    real_cluster: Cluster, finished_job: dict[str, Any]
+) -> None:
+    assert finished_job["status"]["phase"] == "Succeeded", finished_job["status"]
+    # The stand-in still served when the trainer had gone: nothing but the operator ended it.
+    rollout = finished_job["rollout_when_trainer_exited"]
+    assert rollout and "running" in rollout["state"], rollout
+    namespace = finished_job["namespace"]
+
+    def workers() -> list[str]:
+        pods = get_json(real_cluster, "pods", "-n", namespace)["items"]
+        return [p["metadata"]["name"] for p in pods if "metastore" not in p["metadata"]["name"]]
+
+    wait_for(lambda: not workers(), 60, "the operator to delete the worker pod whose SGLang still served")
+
+
 def test_trainer_termination_message_reaches_status(finished_job: dict[str, Any]) -> None:
     workers = [p for n, p in finished_job["pods"].items() if "metastore" not in n]
+    # The trainer's terminated state as first seen (the pod is deleted after the job ends).
     terminated = _container_status(workers[0], "trainer")["state"]["terminated"]
     assert terminated["exitCode"] == 0, terminated
     assert is_final_termination_message(terminated.get("message")), terminated
