@@ -22,12 +22,10 @@ from typing import Any
 from colocate_operator import children, metastore, names, pods, readiness, suspension, transitions
 from colocate_operator.admission import (
     deadline,
+    ipc_preflight_failure,
     kueue_admission,
     policy_failure,
     rollout_breach,
-)
-from colocate_operator.admission import (
-    ipc_preflight_failure as ipc_preflight_failure,  # re-exported: marks.py asks it of a job event
 )
 from colocate_operator.conditions import Condition
 from colocate_operator.config import OperatorConfig
@@ -35,22 +33,14 @@ from colocate_operator.constants import Cond, Phase, Reason
 from colocate_operator.decision import (
     FINISHED,
     SOON,
+    CheckpointWrite,
+    EventSpec,
     Pass,
+    Plan,
     PodRef,
+    create_backoff,
     live_refs,
     min_delay,
-)
-from colocate_operator.decision import (  # re-exported: the Plan's types are decide's answer
-    CheckpointWrite as CheckpointWrite,
-)
-from colocate_operator.decision import (
-    EventSpec as EventSpec,
-)
-from colocate_operator.decision import (
-    Plan as Plan,
-)
-from colocate_operator.decision import (
-    create_backoff as create_backoff,
 )
 from colocate_operator.group import (
     Group,
@@ -66,7 +56,19 @@ from colocate_operator.observed import Observed, PodState, child_key
 from colocate_operator.pod_gate import NAME_TAKEN_RECHECK, GateInputs, gate
 from colocate_operator.spec import ColocateJob
 from colocate_operator.status import JobStatus, MetaStoreStatus, StatusView
-from colocate_operator.transitions import restart_delay as restart_delay  # re-exported for its tests
+from colocate_operator.transitions import restart_delay
+
+# Beside `decide`, what its callers use of the Plan and of the policies (marks.py: the IPC preflight).
+__all__ = [
+    "CheckpointWrite",
+    "EventSpec",
+    "Plan",
+    "PodRef",
+    "create_backoff",
+    "decide",
+    "ipc_preflight_failure",
+    "restart_delay",
+]
 
 
 def decide(
@@ -80,6 +82,7 @@ def decide(
     """`password` is used only if the meta-store Secret has to be created (the caller draws a fresh one)."""
     store = metastore.endpoint(job, config)
     p = _start(job, StatusView(status), observed, now, config, store)
+    # What the pods show, whatever the phase.
     group = Group.of(p, p.desired.restarts)
     p.take(pods_part(p, group.current))
     engines, engine_back_soon = engine_restarts(p, group.current)
@@ -87,10 +90,13 @@ def decide(
     force_delete_stuck(p)
     if p.phase in Phase.TERMINAL:
         return transitions.terminal(p)
+    # The children that outlive pod groups, and what stands in their way.
     kids = _children(p, group.current, store, password)
     taken = readiness.names_taken(p)
     meta_ready = readiness.metastore_ready(p, store)
     kueue_stop, kueue_hold = kueue_admission(p, group.current)
+    # The first of these that ends the pass wins: suspend, a policy's failure, the final record, a lost
+    # Secret, a group failure.
     if job.spec.suspend or kueue_stop:
         return _suspend(p, kids)
     failure = policy_failure(p)
@@ -101,6 +107,7 @@ def decide(
     ended = _final(p, group, final, kids) or _lost_secret(p, group, kids) or _failure(p, group, final, kids)
     if ended is not None:
         return ended
+    # Running, or on the way: create what is missing and say where the job stands.
     running = _Running(group, kids, store, kueue_hold, taken, meta_ready, engine_back_soon)
     return _run(p, final, running)
 

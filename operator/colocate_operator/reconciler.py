@@ -54,7 +54,7 @@ from colocate_operator.observed import (
 )
 from colocate_operator.secret_reads import SecretReads
 from colocate_operator.spec import ColocateJob
-from colocate_operator.status import StatusView, final_step_recorded, status_patch
+from colocate_operator.status import StatusView, final_step_recorded, status_patch, without
 from colocate_operator.workqueue import WorkQueue
 
 log = logging.getLogger("colocate_operator.reconciler")
@@ -290,6 +290,7 @@ class Reconciler:
         uid = job.ref.uid
         known = self.known.children(uid)
         seen: set[str] = set()
+        ran = StatusView(status).phase == Phase.RUNNING
         for child in table:
             key = child.key
             if child.read in (children.Read.WHOLE, children.Read.ELSEWHERE):
@@ -299,7 +300,6 @@ class Reconciler:
                 continue
             # The budget is wanted only once the gang is ready (decide.py): before the job last ran, it is not
             # read (a 404 on every pass of a bring-up) but created without looking, as a new job's children.
-            ran = StatusView(status).phase == Phase.RUNNING
             unread = not status or (child.read == children.Read.ONCE_RAN and not ran)
             if unread and key not in found.conflicts:
                 continue
@@ -463,7 +463,7 @@ class Reconciler:
             # store whose Secret or Redis is missing could never be made whole again (issue 30, item 5).
             creates = tuple(m for m in plan.creates if m["kind"] != "Pod")
             withdraw_pending = True
-            patch.pop("phase", None)  # still Suspended(ing): that is what makes the next pass withdraw again
+            patch = without(patch, "phase")  # still Suspended(ing): that makes the next pass withdraw again
         failed_creates, held = self._create_all(job, creates)
         for pod in plan.deletes:
             deleted = self.api.delete(kube.PODS, ns, pod.name, uid=pod.uid)
@@ -595,15 +595,16 @@ class Reconciler:
             raise
         self.indexes.wrote_status(ns, name, written)
         metrics.STATUS_WRITES.labels("reconciler").inc()
-        if "restarts" in patch:
-            metrics.RESTARTS.labels(job.ref.namespace, job.ref.name).set(patch["restarts"])
+        patched = StatusView(patch)
+        if patched.has("restarts"):
+            metrics.RESTARTS.labels(job.ref.namespace, job.ref.name).set(patched.restarts)
         changed = sorted(patch)
         log.info(
             "status updated",
             extra={
                 "job": f"{job.ref.namespace}/{job.ref.name}",
                 "fields": changed,
-                "phase": patch.get("phase"),
+                "phase": patched.phase,
             },
         )
         return True

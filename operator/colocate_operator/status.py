@@ -220,11 +220,12 @@ def with_part(status: JobStatus, part: BaseModel) -> JobStatus:
 
 
 def with_fields(status: JobStatus, **fields: Any) -> JobStatus:
-    """`status` with `fields` replaced; a name JobStatus lacks is an error, not a key silently dropped."""
+    """`status` with `fields` replaced, validated: a name JobStatus lacks, or a value of the wrong type, is an
+    error, not a key silently dropped or written wrong."""
     unknown = set(fields) - set(JobStatus.model_fields)
     if unknown:
         raise ValueError(f"no status fields {sorted(unknown)} (status.py)")
-    return status.model_copy(update=fields)
+    return JobStatus.model_validate({**dict(status), **fields})
 
 
 def reconciler_status(status: JobStatus, conditions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,6 +235,11 @@ def reconciler_status(status: JobStatus, conditions: list[dict[str, Any]]) -> di
         mode="json", by_alias=True, exclude_none=True, include=set(_RECONCILER_FIELDS) - {"conditions"}
     )
     return {**part, _alias("conditions"): conditions}
+
+
+def without(patch: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """`patch` (a status merge patch) without its change of `field` (a JobStatus field name)."""
+    return {key: value for key, value in patch.items() if key != _alias(field)}
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,10 @@ class StatusView:
     @property
     def group_created(self) -> bool:
         return bool(self.raw.get(_alias("group_created")))
+
+    def has(self, field: str) -> bool:
+        """Whether `field` (a JobStatus field name) is written: in a patch, whether it changes."""
+        return _alias(field) in self.raw
 
     @property
     def start_time(self) -> str | None:

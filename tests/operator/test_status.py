@@ -14,11 +14,16 @@ from colocate_operator.status import (
     CONDITION_OWNERS,
     RECONCILER_KEYS,
     STEP_KEYS,
+    EnginesPart,
     JobStatus,
     Owner,
     StatusView,
+    SuspensionStatus,
     owners,
+    reconciler_status,
     status_patch,
+    with_fields,
+    with_part,
 )
 
 CRD = Path(__file__).resolve().parents[2] / "operator" / "crds" / "colocatejobs.colocate.dev.yaml"
@@ -122,3 +127,50 @@ def test_the_view_reads_what_other_modules_ask_of_a_status() -> None:
         False,
         False,
     )
+
+
+def test_the_view_reads_what_decide_asks_of_a_status() -> None:
+    view = StatusView(
+        {
+            "startTime": "2026-11-30T12:00:00Z",
+            "suspension": {"requestTime": "t0", "checkpointRequested": True, "afterStep": 4},
+            "engineRestarts": 0,
+            "weightSync": {"currentPhase": "Copied", "lastCompletedStep": 4},
+            "conditions": [{"type": "PodsReady", "status": "True"}],
+        }
+    )
+    assert (view.start_time, view.last_restart_time, view.completion_time) == (
+        "2026-11-30T12:00:00Z",
+        None,
+        None,
+    )
+    assert view.suspension == SuspensionStatus(request_time="t0", checkpoint_requested=True, after_step=4)
+    # A count of zero is still a count (written on); an absent one is not written.
+    assert (view.engine_restarts, view.engine_restarts_counted) == (0, None)
+    assert (view.sync_phase, view.last_completed_step) == ("Copied", 4)
+    assert view.conditions == [{"type": "PodsReady", "status": "True"}]
+    empty = StatusView({})
+    assert (empty.suspension, empty.sync_phase, empty.last_completed_step, empty.conditions) == (
+        None,
+        None,
+        None,
+        [],
+    )
+
+
+def test_the_reconcilers_desired_status_is_written_camel_case_without_nones() -> None:
+    status = with_fields(JobStatus(), phase="Running", group_created=True, start_time="t")
+    status = with_part(status, EnginesPart(engine_restarts=0))
+    conditions = [{"type": "PodsReady", "status": "True", "reason": "AllPodsReady"}]
+    assert reconciler_status(status, conditions) == {
+        "phase": "Running",
+        "restarts": 0,
+        "groupCreated": True,
+        "startTime": "t",
+        "engineRestarts": 0,
+        "conditions": conditions,  # passed through as merged: other writers' conditions untouched
+    }
+    with pytest.raises(ValueError, match="no status fields"):
+        with_fields(status, groupCreated=True)
+    with pytest.raises(ValueError):
+        with_fields(status, restarts="many")
