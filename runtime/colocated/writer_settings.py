@@ -24,7 +24,7 @@ class WriterSettings:
     # The weights check of every step (digest.py): every byte sampled within this many steps; 0: off.
     digest_period: int = env.WEIGHT_DIGEST_PERIOD.default
     keep_steps: int = 2  # a step's keys are deleted once this many newer steps finished
-    ack_spin_s: float = env.ACK_SPIN_MS.default / 1e3  # poll for the ACK this long first (_spin_for_ack)
+    ack_spin_s: float = env.ACK_SPIN_MS.default / 1e3  # poll for the ACK this long first (ClaimantAcks.spin)
     preflight: PreflightSettings = field(default_factory=PreflightSettings)  # Off unless configured
     termination_log: str | None = None  # `finish` also leaves the final record there if it exists
 
