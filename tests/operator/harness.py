@@ -27,11 +27,21 @@ TEST_CHART_VALUES = (
 )
 
 
-def install_crd(cluster: Cluster) -> Path:
-    """Apply the ColocateJob CRD and wait until the API server serves it."""
+def install_crd(cluster: Cluster, timeout: float = 60) -> Path:
+    """Apply the ColocateJob CRD and wait until the API server serves it. Polled: `kubectl wait` fails at
+    once, not waiting, while a CRD just created has its status conditions still null (a loaded machine)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/colocatejobs.colocate.dev")
-    return CRD_PATH
+    established = '{.status.conditions[?(@.type=="Established")].status}'
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cluster.kubectl(
+            "get", "crd/colocatejobs.colocate.dev", "-o", f"jsonpath={established}", check=False
+        )
+        if got.stdout.strip() == "True":
+            return CRD_PATH
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the CRD not Established after {timeout} s: {got.stdout or got.stderr}")
+        time.sleep(0.2)
 
 
 class OperatorProcess:
