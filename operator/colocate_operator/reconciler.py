@@ -113,7 +113,8 @@ class Reconciler:
         self._exits_seen: dict[
             str, float
         ] = {}  # job uid -> when a pod exit awaiting the final record was seen
-        # job uid -> kind -> its creates refused in a row (decide.py backs off on them), until one succeeds.
+        # job uid -> kind -> its creates refused in a row, until one succeeds (the pass backs off on them:
+        # pod_gate.py, decision.py).
         self._refusals: dict[str, dict[str, CreateRefusal]] = {}
         self._refusals_lock = threading.Lock()
 
@@ -298,8 +299,9 @@ class Reconciler:
             if key in known and key not in found.conflicts:
                 found.children.add(key)
                 continue
-            # The budget is wanted only once the gang is ready (decide.py): before the job last ran, it is not
-            # read (a 404 on every pass of a bring-up) but created without looking, as a new job's children.
+            # The budget is wanted only once the gang is ready (children.py): before the job last ran, it
+            # is not read (a 404 on every pass of a bring-up) but created without looking, as a new job's
+            # children are.
             unread = not status or (child.read == children.Read.ONCE_RAN and not ran)
             if unread and key not in found.conflicts:
                 continue

@@ -132,7 +132,7 @@ class JobStatus(_Model):
     observed_generation: Annotated[int | None, R] = None
     restarts: Annotated[int, R] = 0  # the group incarnation; pods carry it as a label
     engine_restarts: Annotated[int | None, R] = None  # SGLang restarted in place, over the job's life
-    engine_restarts_counted: Annotated[int | None, R] = None  # of those, the current group's (decide.py)
+    engine_restarts_counted: Annotated[int | None, R] = None  # of those, the current group's (group.py)
     group_created: Annotated[bool, R] = False  # whether a missing pod is a failure or not created yet
     ready: Annotated[str | None, R] = None
     start_time: Annotated[str | None, R] = None
@@ -208,7 +208,7 @@ class PodsPart(_Model):
 
 
 class EnginesPart(_Model):
-    """SGLang's in-place restarts (decide.py): a field left unset is not written."""
+    """SGLang's in-place restarts (group.py): a field left unset is not written."""
 
     engine_restarts: int | None = None
     engine_restarts_counted: int | None = None
