@@ -35,7 +35,7 @@ from typing import Any
 from colocate_devcluster import Cluster, ClusterSpec
 from colocate_runtime.contract.events import final_termination_message
 from tests.kube import chart_identity
-from tests.operator.harness import CRD_PATH, TEST_CHART_VALUES, OperatorProcess
+from tests.operator.harness import TEST_CHART_VALUES, OperatorProcess, install_crd
 from tests.operator.test_integration import job_manifest
 
 NAMESPACE = "soak"
@@ -332,10 +332,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     cluster.start()
     operators: list[OperatorProcess] = []
     try:
-        cluster.kubectl("apply", "--server-side", "-f", str(CRD_PATH))
-        cluster.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s", "crd/colocatejobs.colocate.dev"
-        )
+        install_crd(cluster)
         cluster.kubectl("create", "namespace", NAMESPACE)
         identity = chart_identity(
             cluster, NAMESPACE, workdir, *TEST_CHART_VALUES, operator_namespace=LEASE_NAMESPACE

@@ -223,9 +223,19 @@ class Testbed:
         for path in files:
             self.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
         names = [yaml.safe_load(p.read_text())["metadata"]["name"] for p in files]
-        self.cluster.kubectl(
-            "wait", "--for=condition=Established", "--timeout=120s", *(f"crd/{n}" for n in names), timeout=150
-        )
+        # Polled, not `kubectl wait`: that fails at once while a new CRD's conditions are still null.
+        established = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + 120
+        for name in names:
+            while (
+                self.cluster.kubectl(
+                    "get", f"crd/{name}", "-o", f"jsonpath={established}", check=False
+                ).stdout
+                != "True"
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"CRD {name} not Established after 120 s")
+                time.sleep(0.2)
 
     # -- namespaces ------------------------------------------------------------------------------------------
     def create_namespace(self, name: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from colocate_devcluster import GANG_SCHEDULING, Cluster, ClusterSpec, manifests
 from tests.kube import wait_for
-from tests.operator.harness import CRD_PATH, OperatorProcess
+from tests.operator.harness import OperatorProcess, install_crd
 from tests.operator.test_integration import (
     apply_job,
     condition,
@@ -55,9 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def crd(cluster: Cluster) -> Path:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/colocatejobs.colocate.dev")
-    return CRD_PATH
+    return install_crd(cluster)
 
 
 def bound(items: list[dict[str, Any]]) -> list[str]:
