@@ -9,8 +9,8 @@
 // unix socket in <kubelet root dir>/plugins_registry serves both the registration service (GetInfo says
 // "a DevicePlugin for nvidia.com/gpu at this socket") and the device plugin service. The other way, a
 // Register call to /var/lib/kubelet/device-plugins/kubelet.sock, is not used: the kubelet hard-codes that
-// directory whatever its --root-dir and empties it when it starts, so two real nodes on one machine (two
-// test runs) would take each other's plugins; the plugins_registry directory is each kubelet's own.
+// directory whatever its --root-dir and removes every socket in it when it starts, so two real nodes on one
+// machine (two test runs) would take each other's plugins; the plugins_registry directory is each kubelet's.
 //
 // It prints one line per event on stderr (listening, registered, each ListAndWatch and Allocate) and, on
 // SIGTERM or SIGINT, removes its socket (the kubelet then deregisters it) and exits 0.
