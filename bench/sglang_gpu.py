@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(REPO), str(REPO / "bench")) if p not in sys.path]
 
 import runtime_path  # noqa: E402,F401  (colocate_runtime onto ./runtime when not installed)
+import sglang_gpu_fp8 as fp8  # noqa: E402
 import torch  # noqa: E402
 
 from colocate_devcluster.localredis import RedisServer  # noqa: E402
@@ -123,6 +124,11 @@ TINY = {
         max_window_layers=2,
     ),
 }
+# Block FP8 (bench/sglang_gpu_fp8.py): the same models with SGLang's block-FP8 quantization_config, every
+# quantized linear whole 128x128 blocks (q 512, k/v 256 and o_proj's input 512 rows or columns; the experts'
+# gate/up/down 256).
+TINY["qwen3_fp8"] = fp8.tiny_fp8(TINY["qwen3"], head_dim=128)
+TINY["qwen3_moe_fp8"] = fp8.tiny_fp8(TINY["qwen3_moe"], head_dim=128, moe_intermediate_size=256)
 # Real shapes (Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B config.json), dummy weights. mem: SGLang's
 # --mem-fraction-static, leaving room for the trainer's copy of the weights on the same GPU.
 PRESETS = {

@@ -1,0 +1,181 @@
+"""The block-FP8 check of bench/sglang_gpu.py (its pure parts, bench/sglang_gpu_fp8.py), on CPU: the tiny FP8
+configs are what SGLang accepts for block FP8, the checkpoint's pieces quantize to the same bytes as the
+fused parameters the check expects, and the whole trainer side of the check (record, canonical pieces with
+their shards, the failing step) against our loader's automatic wiring and reader, over shared memory and a
+real Redis, installs bit-equal to `expected_state` into a stand-in for SGLang's block-FP8 parameters.
+
+What needs the GPU (SGLang's FP8 kernels are CUDA / Triton only) runs on the H200:
+`bash bench/colocated_device.sh sglang-gpu check --arch qwen3_fp8 qwen3_moe_fp8`."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [p for p in (str(REPO / "bench"),) if p not in sys.path]
+
+import sglang_gpu_fp8 as fp8  # noqa: E402
+from sglang_gpu import TINY  # noqa: E402
+
+from colocate_devcluster.localredis import RedisServer  # noqa: E402
+from colocate_runtime.colocated.fp8_block import BlockFp8  # noqa: E402
+from colocate_runtime.convert.fp8 import fp8_layout, read_fp8  # noqa: E402
+from colocate_runtime.dtypes import torch_dtype  # noqa: E402
+
+FP8_ARCHS = sorted(a for a, c in TINY.items() if fp8.is_fp8(c))
+
+
+def test_the_fp8_architectures_are_the_bf16_ones_with_sglangs_block_fp8_config() -> None:
+    assert FP8_ARCHS == ["qwen3_fp8", "qwen3_moe_fp8"]
+    for arch in FP8_ARCHS:
+        config = TINY[arch]
+        assert config["quantization_config"] == {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        assert config["model_type"] == arch.removesuffix("_fp8")
+        assert config["head_dim"] == 128
+
+
+@pytest.mark.parametrize("arch", FP8_ARCHS)
+def test_every_quantized_parameter_is_whole_128_blocks_and_the_rest_stays_bf16(arch: str) -> None:
+    config = TINY[arch]
+    _, iplan = fp8.plans(config)
+    held = fp8_layout(iplan, fp8.quantization(config))  # raises where SGLang would refuse the layout
+    e4m3 = {n: h for n, h in held.items() if h.dtype == "float8_e4m3fn"}
+    assert e4m3 and all(h.scale in held for h in e4m3.values())
+    for param in iplan.params:
+        if param.name in e4m3:
+            for p in param.placements:  # each fused part, too (q/k/v, gate/up, each expert's)
+                assert all(n % 128 == 0 for n in p.shard.box.lengths[-2:]), (param.name, p.shard.name)
+    bf16 = sorted(n for n, h in held.items() if h.dtype == "bfloat16")
+    assert "model.embed_tokens.weight" in bf16 and "lm_head.weight" in bf16 and "model.norm.weight" in bf16
+    if arch == "qwen3_moe_fp8":
+        assert "model.layers.0.mlp.gate.weight" in bf16  # the router (ReplicatedLinear, quant_config=None)
+        assert (
+            "model.layers.0.mlp.experts.w13_weight" in e4m3 and "model.layers.0.mlp.experts.w2_weight" in e4m3
+        )
+    else:
+        assert "model.layers.0.mlp.gate_up_proj.weight" in e4m3
+
+
+@pytest.mark.parametrize("arch", FP8_ARCHS)
+def test_the_checkpoints_pieces_are_the_expected_fused_parameters_bytes(arch: str) -> None:
+    """Each fused part's quantization (the checkpoint) equals the slice of the fused parameter's (what the
+    check expects SGLang to hold), scales included: SGLang's own load of the checkpoint can equal our
+    install."""
+    config = TINY[arch]
+    weights = fp8.trained(config, seed=3, device="cpu")
+    want = fp8.expected_state(config, weights)
+    ckpt = fp8.fp8_checkpoint(config, weights)
+    # the checkpoint: e4m3 `*.weight` + fp32 `*.weight_scale_inv` for the quantized pieces, BF16 the rest
+    quantized = fp8.quantized_pieces(config)
+    assert sorted(ckpt) == sorted(
+        [*weights, *(n.removesuffix(".weight") + ".weight_scale_inv" for n in quantized)]
+    )
+    for name, t in ckpt.items():
+        dtype = torch.float32 if name.endswith("_scale_inv") else torch.float8_e4m3fn
+        assert t.dtype == (dtype if name in quantized or name.endswith("_scale_inv") else torch.bfloat16), (
+            name
+        )
+    # assembled into SGLang's parameters the way its loader places pieces (read_fp8: rows of blocks)
+    _, iplan = fp8.plans(config)
+    quant = fp8.quantization(config)
+    held = {
+        h.name: torch.zeros(h.shape, dtype=torch_dtype(h.dtype)) for h in fp8_layout(iplan, quant).values()
+    }
+    targets, scales = read_fp8(iplan, held, quant)
+    for name, view in targets.items():
+        view.copy_(ckpt[name])
+    for name, view in scales.items():
+        view.copy_(ckpt[name + "_scale_inv"])
+    assert sorted(held) == sorted(want)
+    wrong = [n for n in want if not torch.equal(held[n].view(torch.uint8), want[n].view(torch.uint8))]
+    assert not wrong, wrong
+
+
+# --- the trainer side of the check against our loader's wiring and reader -----------------------------------
+
+
+class SGLangStandIn(torch.nn.Module):
+    """SGLang's block-FP8 model as our loader sees it: `config` and named parameters (fp8_layout's)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        _, iplan = fp8.plans(config)
+        held = fp8_layout(iplan, fp8.quantization(config)).values()
+        self._params = {h.name: torch.zeros(h.shape, dtype=torch_dtype(h.dtype)) for h in held}
+        self.config = config
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def, override]
+        return iter(self._params.items())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("arch", FP8_ARCHS)
+def test_the_checks_trainer_side_installs_what_it_expects(
+    arch: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The loader's own steps (sglang/loader.py `_new_reader`: automatic wiring from the trainer record, then
+    `new_reader` with the scales) on a stand-in model; the driver's steps as check_arch runs them."""
+    from colocate_runtime.colocated.outcome import StepRejected
+    from colocate_runtime.colocated.wiring import new_reader, new_writer
+    from colocate_runtime.sglang import auto
+    from tests.runtime.colocated_env import shm_config
+    from tests.runtime.test_colocated_protocol import ReaderThread, wait_for
+
+    config = TINY[arch]
+    cfg = shm_config(
+        redis_server, tmp_path / "shm", COLOCATE_VERIFY="SampledChecksum", COLOCATE_STEP_TIMEOUT_SECONDS="60"
+    )
+    model = SGLangStandIn(config)
+    writer = new_writer(cfg)
+    try:
+        writer.store.write_trainer_record(writer.uuid, fp8.trainer_record(config))
+        worker = auto.Worker(0, None, None, writer.uuid)
+        wired = auto.automatic_wiring(model, cfg, writer.store, worker, auto.EngineArgs(tp=1))
+        assert wired is not None and wired.path == "local" and wired.fp8_format == BlockFp8()
+        reader = new_reader(
+            cfg,
+            wired.targets,
+            target_shards=wired.target_shards,
+            scales=wired.scales,
+            fp8_format=wired.fp8_format,
+        )
+        reader.settings = replace(reader.settings, allow_extra_entries=True)  # as the loader's local path
+        with ReaderThread(reader, timeout_s=0.5) as reading:
+            for step in (1, 2):
+                weights = fp8.trained(config, seed=step, device="cpu")
+                pending = writer.publish(step, weights, shards=fp8.shards(config), weight_version=f"v{step}")
+                writer.wait_and_free(pending)
+                want = fp8.expected_state(config, weights)
+                got = dict(model.named_parameters())
+                wrong = [
+                    n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))
+                ]
+                assert not wrong, (step, wrong[:5])
+            # the failing step of the check: the step fails, and the next one installs
+            bad, bad_shards, missing = fp8.missing_piece(config, fp8.trained(config, seed=100, device="cpu"))
+            pending = writer.publish(100, bad, shards=bad_shards, weight_version="bad")
+            with pytest.raises(StepRejected, match=f"not filled: \\['{missing}'\\]"):
+                writer.wait_and_free(pending)
+            weights = fp8.trained(config, seed=101, device="cpu")
+            pending = writer.publish(101, weights, shards=fp8.shards(config), weight_version="v101")
+            writer.wait_and_free(pending)
+            want = fp8.expected_state(config, weights)
+            got = dict(model.named_parameters())
+            wrong = [n for n in want if not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))]
+            assert not wrong, wrong[:5]
+            wait_for(lambda: len(reading.reports) >= 3)
+    finally:
+        writer.close()
