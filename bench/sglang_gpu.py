@@ -9,6 +9,7 @@ process; the loader writes SGLang's own parameters by name (no trainer record: t
 SGLang's names). The probe loaders of tests/sglang_gpu/probe.py look inside the scheduler.
 
     python bench/sglang_gpu.py check [--arch qwen3 qwen3_moe] [--steps 3]   # the checks (tiny models)
+    python bench/sglang_gpu.py check --arch qwen3_fp8 qwen3_moe_fp8          # block FP8 from a BF16 trainer
     python bench/sglang_gpu.py bench --preset qwen3-8b qwen3-30b-a3b          # the update a user pays
     python bench/sglang_gpu.py check --device cpu                            # here, against the CPU tier
 
@@ -21,7 +22,11 @@ parameter addresses unchanged across release and resume; after the last step SGL
 the same weights (checkpoint names) leaves every parameter bitwise as our update did and greedy output equal;
 a step that fails (one tensor of the wrong shape) leaves the server answering, paused, and the next step
 installs; GPU memory at the same point of every cycle (released; installed) the same; finally a second server
-loaded from a checkpoint of the last weights generates the same greedy tokens. One JSON report.
+loaded from a checkpoint of the last weights generates the same greedy tokens and holds the same bytes. One
+JSON report. `--arch qwen3_fp8 qwen3_moe_fp8` (CUDA only): the engine serves block FP8 and the trainer
+publishes BF16, which our loader quantizes while it copies; each step is checked against the reference
+quantizer, and SGLang's own load and the second server read the reference-quantized checkpoint
+(bench/sglang_gpu_fp8.py).
 
 `bench` (per preset, dummy weights of the real shapes): the trainer holds the weights as one contiguous buffer
 (Megatron-core DDP's `param_data`) published in place (`publish_in_place`, keep_mapped), and every phase from
@@ -64,7 +69,9 @@ from tests.sglang_gpu.probe import digest  # noqa: E402
 from tests.sglang_real import server as cpu_tier  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "sglang_gpu.jsonl"
-PROBES = tuple(f"tests.sglang_gpu.probe.{n}" for n in ("meta", "dump", "digests", "reference_load"))
+PROBES = tuple(
+    f"tests.sglang_gpu.probe.{n}" for n in ("meta", "dump", "digests", "reference_load", "fp8_info")
+)
 POLICY = HttpPolicy(timeout_s=120, update_timeout_s=600, retries=2, backoff_s=0.2)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -234,6 +241,8 @@ class Engine:
             "COLOCATE_HEARTBEAT_TTL_SECONDS": "10",
             "COLOCATE_BUCKET_MB": "512",
             "COLOCATE_IPC_PREFLIGHT": "Wait",
+            # A block-FP8 engine: declared, so the loader checks it against SGLang's model config
+            **({"COLOCATE_ROLLOUT_WEIGHTS": "BlockFP8"} if fp8.is_fp8(config) else {}),
         }
         (work / "shm").mkdir(exist_ok=True)
         self.model_dir = kw.pop("model_dir", None) or self._write_config(work / "model", config)
@@ -295,6 +304,7 @@ class Engine:
             "0",
             "--log-level",
             "info",
+            *(fp8.SERVER_FLAGS if fp8.is_fp8(self.config) else ()),
             "--custom-weight-loader",
             *loaders,
         ]
@@ -313,6 +323,8 @@ class Engine:
             NVSHMEM_DISABLE_NVLS="1",
             PYTHONUNBUFFERED="1",
         )
+        if fp8.is_fp8(self.config):
+            base.update(fp8.ENVIRONMENT)
         base.setdefault(
             "SGLANG_DISABLED_MODEL_ARCHS",
             ",".join(cpu_tier._other_model_modules(base["PYTHONPATH"], keep=(arch,))),
@@ -450,6 +462,50 @@ class Checks:
         return bool(self.items) and all(c["ok"] for c in self.items)
 
 
+class Trainer:
+    """What the check's trainer publishes. BF16 engine: SGLang's own parameters by name (no trainer record:
+    the loader's default). Block-FP8 engine (bench/sglang_gpu_fp8.py): canonical BF16 pieces with their
+    shards after its trainer record, as the Megatron Publisher does, so that the loader's automatic wiring
+    quantizes while it copies."""
+
+    def __init__(self, config: dict, params: dict[str, dict], device: str) -> None:
+        self.config, self.params, self.device = config, params, device
+        self.fp8 = fp8.is_fp8(config)
+
+    def start(self, writer: Any) -> None:
+        if self.fp8:
+            writer.store.write_trainer_record(writer.uuid, fp8.trainer_record(self.config))
+
+    def weights(self, seed: int) -> dict[str, torch.Tensor]:
+        if self.fp8:
+            return fp8.trained(self.config, seed=seed, device=self.device)
+        return trained(self.params, seed=seed, device=self.device)
+
+    def publish(self, writer: Any, step: int, weights: dict[str, torch.Tensor], version: str) -> Any:
+        shards = fp8.shards(self.config) if self.fp8 else None
+        return writer.publish(step, weights, shards=shards, weight_version=version)
+
+    def expected(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What SGLang's parameters must hold after an install of `weights`."""
+        return fp8.expected_state(self.config, weights) if self.fp8 else weights
+
+    def failing(self) -> tuple[dict[str, torch.Tensor], dict | None, str]:
+        """A step that must fail: (weights, shards, what is wrong)."""
+        bad = self.weights(100)
+        if self.fp8:
+            bad, shards, name = fp8.missing_piece(self.config, bad)
+            return bad, shards, f"{name} not published"
+        name = next(n for n in bad if n.endswith("norm.weight"))
+        bad[name] = torch.ones(bad[name].numel() + 1, dtype=bad[name].dtype, device=self.device)
+        return bad, None, f"{name} one element too long"
+
+    def checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`weights` under checkpoint names, on the CPU (block FP8: the reference-quantized checkpoint)."""
+        if self.fp8:
+            return fp8.fp8_checkpoint(self.config, weights)
+        return {n: t.cpu() for n, t in to_checkpoint(weights, self.config).items()}
+
+
 def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Path) -> dict:
     checks = Checks()
     device = "cuda" if args.device == "cuda" else "cpu"
@@ -462,6 +518,7 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
     report: dict[str, Any] = {"arch": arch, "sglang_version": engine.client.engine.version}
     report["start_s"] = round(started_s, 1)
     last: dict[str, torch.Tensor] = {}
+    installed: dict[str, torch.Tensor] = {}  # SGLang's parameters after our last install
     try:
         client = engine.client
         rollout = ColocatedRollout(client)
@@ -474,8 +531,39 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
             k: client.server_info.get(k)
             for k in ("enable_memory_saver", "attention_backend", "sampling_backend", "disable_cuda_graph")
         }
+        trainer = Trainer(config, params, device)
+        if trainer.fp8:
+            info = engine.probe("fp8_info")
+            report["fp8_info"] = info
+            fp8_layers = [n for n, x in info["layers"].items() if x.get("block_quant")]
+            derived = {n: x["derived"] for n, x in info["layers"].items() if x.get("derived")}
+            ue8m0 = {n: x["ue8m0"] for n, x in info["layers"].items() if any(x.get("ue8m0", {}).values())}
+            seen = info["quantization_config"] or {}
+            held = {
+                f"{n}.{w}": (params[f"{n}.{w}"]["dtype"], params[f"{n}.{w}_scale_inv"]["dtype"])
+                for n in fp8_layers
+                for w in ("weight", "w13_weight", "w2_weight")
+                if f"{n}.{w}" in params
+            }
+            checks.add(
+                "block FP8: SGLang's FP8 layers hold e4m3 weights, fp32 scales, nothing derived from them",
+                bool(fp8_layers)
+                and all(seen.get(k) == v for k, v in fp8.QUANTIZATION_CONFIG.items())
+                and bool(held)
+                and all(d == ("float8_e4m3fn", "float32") for d in held.values())
+                and not derived
+                and not ue8m0,
+                layers=len(fp8_layers),
+                weights=len(held),
+                gemm=sorted({str(x.get("gemm")) for x in info["layers"].values() if x.get("block_quant")}),
+                moe_runner=sorted({x["moe_runner"] for x in info["layers"].values() if "moe_runner" in x}),
+                derived=derived,
+                ue8m0=ue8m0,
+                switches=info["switches"],
+            )
         gens = [engine.generate()]
         writer = new_writer(engine.cfg(), device=0 if engine.cuda else None)
+        trainer.start(writer)
         free: dict[str, list] = {"released": [], "installed": []}
         trainer_alloc: list = []
         try:
@@ -483,18 +571,21 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                 rollout.before_training()
                 sync()
                 free["released"].append(gpu_free())
-                weights = trained(params, seed=step, device=device)
+                weights = trainer.weights(step)
                 alloc0 = torch.cuda.memory_allocated() if engine.cuda else None
-                pending = writer.publish(step, weights, weight_version=f"v{step}")
+                pending = trainer.publish(writer, step, weights, f"v{step}")
                 rollout.install_weights(f"v{step}", confirm=lambda p=pending: writer.wait_and_free(p))
                 trainer_alloc.append([alloc0, torch.cuda.memory_allocated() if engine.cuda else None])
                 gens.append(engine.generate())
                 sync()
                 free["installed"].append(gpu_free())
                 held = engine.probe("dump")
-                wrong = bitwise_diff(held["params"], weights)
+                wrong = bitwise_diff(held["params"], trainer.expected(weights))
                 checks.add(
-                    f"step {step}: SGLang's parameters bitwise = published", not wrong, wrong=wrong[:5]
+                    f"step {step}: SGLang's parameters bitwise = "
+                    + ("the reference quantizer of the published BF16" if trainer.fp8 else "published"),
+                    not wrong,
+                    wrong=wrong[:5],
                 )
                 moved = [n for n, p in held["ptrs"].items() if ptrs0.get(n) != p]
                 checks.add(f"step {step}: parameter addresses unchanged", not moved, moved=moved[:5])
@@ -505,23 +596,25 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                     reader_ms=engine.reader_phases(step),
                 )
                 last = weights
-            # A step that fails: one tensor of the wrong shape. The server keeps answering, generation stays
-            # paused, the trainer's buckets are freed, and the next step installs.
+            # A step that fails (BF16: one tensor of the wrong shape; block FP8: a piece of an e4m3 parameter
+            # not published). The server keeps answering, generation stays paused, the trainer's buckets are
+            # freed, and the next step installs.
             rollout.before_training()
             sync()
             free["released"].append(gpu_free())
-            bad = trained(params, seed=100, device=device)
-            name = next(n for n in bad if n.endswith("norm.weight"))
-            bad[name] = torch.ones(bad[name].numel() + 1, dtype=bad[name].dtype, device=device)
+            bad, bad_shards, what = trainer.failing()
             alloc0 = torch.cuda.memory_allocated() if engine.cuda else None
             failed = None
             try:
-                pending = writer.publish(100, bad, weight_version="bad")
+                pending = writer.publish(100, bad, shards=bad_shards, weight_version="bad")
                 rollout.install_weights("bad", confirm=lambda: writer.wait_and_free(pending))
             except StepNotInstalled as err:
                 failed = str(err)
+            del bad
             alloc1 = torch.cuda.memory_allocated() if engine.cuda else None
-            checks.add("failed step: StepNotInstalled", failed is not None, error=(failed or "")[:300])
+            checks.add(
+                "failed step: StepNotInstalled", failed is not None, wrong=what, error=(failed or "")[:300]
+            )
             checks.add(
                 "failed step: server answering, paused, version kept, trainer's buckets freed",
                 engine.alive()
@@ -532,33 +625,31 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                 trainer_allocated=[alloc0, alloc1],
             )
             step = 101  # after the failed step 100
-            weights = trained(params, seed=step, device=device)
-            pending = writer.publish(step, weights, weight_version=f"v{step}")
+            weights = trainer.weights(step)
+            pending = trainer.publish(writer, step, weights, f"v{step}")
             rollout.install_weights(f"v{step}", confirm=lambda: writer.wait_and_free(pending))
             gens.append(engine.generate())
             sync()
             free["installed"].append(gpu_free())
             held = engine.probe("dump")
-            wrong = bitwise_diff(held["params"], weights)
+            wrong = bitwise_diff(held["params"], trainer.expected(weights))
             checks.add(
                 "after the failed step: the next step installs bitwise",
                 not wrong and not client.paused,
                 wrong=wrong[:5],
             )
             last = weights
-            # SGLang's own load of the same weights, under checkpoint names, in the same server. It comes
-            # after the memory readings: its host-to-GPU copies stay cached in the scheduler's allocator,
-            # which is SGLang's load and not a step of ours.
-            ours = engine.probe("dump")["params"]
-            torch.save(
-                {n: t.cpu() for n, t in to_checkpoint(last, config).items()},
-                engine.probe_dir / "reference.pt",
-            )
+            # SGLang's own load of the same weights (block FP8: of the reference-quantized checkpoint), under
+            # checkpoint names, in the same server. It comes after the memory readings: its host-to-GPU copies
+            # stay cached in the scheduler's allocator, which is SGLang's load and not a step of ours.
+            installed = engine.probe("dump")["params"]
+            torch.save(trainer.checkpoint(last), engine.probe_dir / "reference.pt")
             engine.probe("reference_load")
             ref = engine.probe("dump")["params"]
-            wrong = bitwise_diff(ref, ours)
+            wrong = bitwise_diff(ref, installed)
             checks.add(
-                "SGLang's own load_weights of the same weights: parameters bitwise equal",
+                "SGLang's own load_weights of the same weights: parameters bitwise equal"
+                + (" (e4m3 weights and scales)" if trainer.fp8 else ""),
                 not wrong,
                 wrong=wrong[:5],
             )
@@ -598,15 +689,15 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
         checks.add(
             "SGLang alive to the end", alive, log_tail=None if alive else cpu_tier.tail(engine.log, 30)
         )
-    # A second server loaded from a checkpoint of the last weights: the same greedy tokens.
+    # A second server loaded from a checkpoint of the last weights (block FP8: reference-quantized) through
+    # SGLang's whole loader (load_weights, then each method's process_weights_after_loading): the same greedy
+    # tokens, and every parameter bitwise what our update left.
     if last and args.reference_server and "generations" in report:
         ckpt = work / "ckpt"
         ckpt.mkdir(exist_ok=True)
         from safetensors.torch import save_file
 
-        save_file(
-            {n: t.cpu() for n, t in to_checkpoint(last, config).items()}, str(ckpt / "model.safetensors")
-        )
+        save_file(trainer.checkpoint(last), str(ckpt / "model.safetensors"))
         Engine._write_config(ckpt, config)
         try:
             t0 = time.perf_counter()
@@ -620,6 +711,12 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                     tokens == report["generations"][-1],
                     tokens=tokens,
                     start_s=round(time.perf_counter() - t0, 1),
+                )
+                wrong = bitwise_diff(second.probe("dump")["params"], installed)
+                checks.add(
+                    "a server loaded from that checkpoint: parameters bitwise = our update's",
+                    bool(installed) and not wrong,
+                    wrong=wrong[:5],
                 )
             finally:
                 second.stop()
@@ -654,7 +751,7 @@ def run_check(args: argparse.Namespace) -> int:
     print("\n=== check summary ===")
     for r in reports:
         for c in r["checks"]:
-            print(f"{'PASS' if c['ok'] else 'FAIL'}  {r['arch']:9s} {c['check']}")
+            print(f"{'PASS' if c['ok'] else 'FAIL'}  {r['arch']:13s} {c['check']}")
     print(f"ALL {'PASS' if out['ok'] else 'FAIL'}")
     return 0 if out["ok"] else 1
 
@@ -949,6 +1046,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "bench" and args.device != "cuda":
         p.error("bench needs CUDA")
+    if args.cmd == "check" and args.device != "cuda" and any(fp8.is_fp8(TINY[a]) for a in args.arch):
+        # On CPU SGLang's Fp8LinearMethod asserts AMX at load (process_weights_after_loading_block_quant) and
+        # its block-FP8 GEMMs are CUDA / Triton: tests/sglang_gpu/test_fp8_check.py is the CPU part.
+        p.error("the block-FP8 architectures need CUDA (SGLang's block-FP8 kernels are CUDA / Triton only)")
     return run_check(args) if args.cmd == "check" else run_bench(args)
 
 

@@ -8,7 +8,10 @@ $SGLANG_GPU_PROBE_DIR (one file per TP rank). They never raise (a raising loader
   the same function the trainer side runs: equal bytes give equal digests, a changed or moved byte almost
   surely not), for models too large to copy out;
 - `reference_load`: SGLang's own `model.load_weights` of the checkpoint-named tensors in `reference.pt`
-  (what loading those weights from a checkpoint runs; it runs `post_load_weights` itself).
+  (what loading those weights from a checkpoint runs; it runs `post_load_weights` itself);
+- `fp8_info`: what a block-FP8 engine chose: each quantized layer's method and GEMM runner, its scales'
+  UE8M0 flag, any attribute derived from the weights after loading (DeepGEMM's or FlashInfer's scale copies),
+  SGLang's DeepGEMM switches, and the quantization_config our loader reads from `model.config`.
 """
 
 from __future__ import annotations
@@ -105,3 +108,62 @@ def reference_load(model: torch.nn.Module, named_tensors: Any) -> None:
         _write_json("reference_load", {"tensors": len(weights)})
     except Exception:
         log.exception("probe.reference_load failed")
+
+
+# Attributes SGLang's FP8 methods derive from the weights after loading (layers/quantization/fp8.py, 0.5.17):
+# a copy that an in-place update of `weight` / `weight_scale_inv` would leave stale.
+_DERIVED = ("deepgemm", "swizzled", "shuffled", "marlin", "workspace", "_packed")
+
+
+def fp8_info(model: torch.nn.Module, named_tensors: Any) -> None:
+    try:
+        layers: dict[str, dict] = {}
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if method is None or "Unquantized" in type(method).__name__:
+                continue
+            info: dict[str, Any] = {"method": type(method).__name__}
+            linear = getattr(method, "w8a8_block_fp8_linear", None)
+            if linear is not None:
+                info["gemm"] = getattr(linear, "__name__", str(linear))
+            for attr in ("block_quant", "use_marlin", "use_mxfp8"):
+                if hasattr(method, attr):
+                    info[attr] = bool(getattr(method, attr))
+            runner = getattr(method, "runner", None)
+            if runner is not None:
+                info["moe_runner"] = str(getattr(runner, "runner_backend", type(runner).__name__))
+            scales = {
+                n: bool(getattr(p, "format_ue8m0", False))
+                for n, p in module.named_parameters(recurse=False)
+                if n.endswith("scale_inv")
+            }
+            if scales:
+                info["ue8m0"] = scales
+            derived = sorted(a for a in vars(module) if any(d in a for d in _DERIVED))
+            derived += sorted(
+                n for n, _ in module.named_parameters(recurse=False) if any(d in n for d in _DERIVED)
+            )
+            info["derived"] = derived
+            layers[name] = info
+        switches: dict[str, Any] = {}
+        try:
+            from sglang.srt.layers import deep_gemm_wrapper
+
+            for attr in ("ENABLE_JIT_DEEPGEMM", "DEEPGEMM_SCALE_UE8M0", "DEEPGEMM_BLACKWELL"):
+                switches[attr] = bool(getattr(deep_gemm_wrapper, attr, False))
+        except Exception as err:
+            switches["error"] = f"{type(err).__name__}: {err}"
+        try:
+            from sglang.srt.layers.quantization.fp8_utils import get_fp8_gemm_runner_backend
+
+            switches["fp8_gemm_runner_backend"] = str(get_fp8_gemm_runner_backend())
+        except Exception as err:
+            switches["fp8_gemm_runner_backend"] = f"{type(err).__name__}: {err}"
+        config = getattr(model, "config", None)
+        seen = None
+        if config is not None:
+            as_dict = dict(config) if isinstance(config, dict) else config.to_dict()
+            seen = as_dict.get("quantization_config")
+        _write_json("fp8_info", {"layers": layers, "switches": switches, "quantization_config": seen})
+    except Exception:
+        log.exception("probe.fp8_info failed")

@@ -9,6 +9,8 @@ What needs the GPU (SGLang's FP8 kernels are CUDA / Triton only) runs on the H20
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -179,3 +181,112 @@ def test_the_checks_trainer_side_installs_what_it_expects(
             wait_for(lambda: len(reading.reports) >= 3)
     finally:
         writer.close()
+
+
+# --- SGLang's own load_weights of the check's FP8 checkpoint, on CPU (slow set) -----------------------------
+
+MARK = "FP8LOAD "
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    os.environ.get("COLOCATE_SLOW_TESTS") != "1", reason="slow set: set COLOCATE_SLOW_TESTS=1"
+)
+def test_sglangs_own_load_weights_of_the_fp8_checkpoint_gives_the_expected_state(tmp_path: Path) -> None:
+    """SGLang 0.5.23's Qwen3 / Qwen3-MoE classes built with block FP8 on CPU (its `Fp8Config`,
+    Fp8LinearMethod / Fp8MoEMethod parameters; the CPU tier's SGLang), then its `load_weights` of
+    `fp8_checkpoint`: every parameter bitwise `expected_state`, the check's own comparison on the H200. (No
+    `process_weights_after_loading`: on CPU it asserts AMX.) About a minute: SGLang's import."""
+    import subprocess
+
+    from tests.sglang_real.server import pythonpath
+
+    path = pythonpath("0.5.23")
+    site = Path(path.split(os.pathsep)[0])
+    others = sorted(
+        p.stem
+        for p in (site / "sglang" / "srt" / "models").glob("*.py")
+        if p.stem not in ("qwen3", "qwen3_moe", "__init__")
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([path, str(REPO)]),
+        "CUDA_VISIBLE_DEVICES": "",
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/cpu-only/libnccl.so.2",
+        "SGLANG_DISABLED_MODEL_ARCHS": ",".join(others),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "load", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len(MARK) :])
+    assert result["version"] == "0.5.23" and sorted(result["models"]) == FP8_ARCHS
+    for arch, got in result["models"].items():
+        assert got["quant_config"] == "Fp8Config" and got["params"] > 0, (arch, got)
+        assert not got["wrong"] and not got["extra"], (arch, got)
+
+
+def _load(root: Path) -> None:
+    """In the SGLang environment: build both FP8 models, load the checkpoint, compare; one JSON line."""
+    import copy
+
+    from sglang_gpu_classes import SGLangModels
+
+    dirs = {}
+    for arch in FP8_ARCHS:
+        d = root / arch
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(TINY[arch]))
+        dirs[arch] = d
+    sg = SGLangModels(dirs["qwen3_moe_fp8"], "cpu")  # initialises the MoE config too
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import monkey_patch_vllm_parallel_state
+    from sglang.srt.model_loader import loader
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    out: dict = {"version": sg.version, "models": {}}
+    for arch, d in dirs.items():
+        args = copy.copy(sg.args)
+        args.model_path = str(d)
+        model_config = ModelConfig.from_server_args(args)
+        load_config = LoadConfig(load_format="dummy")
+        monkey_patch_vllm_parallel_state()
+        try:
+            quant_config = loader._get_quantization_config(model_config, load_config)
+            with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+                model = loader._initialize_model(model_config, load_config, quant_config)
+        finally:
+            monkey_patch_vllm_parallel_state(reverse=True)
+        config = TINY[arch]
+        weights = fp8.trained(config, seed=7, device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.view(torch.uint8).fill_(0xAB)  # nothing left from the build passes for loaded
+        model.load_weights(list(fp8.fp8_checkpoint(config, weights).items()))
+        want = fp8.expected_state(config, weights)
+        got = dict(model.named_parameters())
+        out["models"][arch] = {
+            "quant_config": type(quant_config).__name__,
+            "params": len(got),
+            "wrong": [
+                n
+                for n in want
+                if n not in got or not torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))
+            ],
+            "extra": [n for n in got if n not in want],
+        }
+    print(MARK + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["load"]:
+    sys.path[:0] = [p for p in (str(REPO),) if p not in sys.path]
+    _load(Path(sys.argv[2]))
