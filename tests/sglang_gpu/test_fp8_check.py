@@ -104,6 +104,33 @@ def test_the_checkpoints_pieces_are_the_expected_fused_parameters_bytes(arch: st
     assert not wrong, wrong
 
 
+def test_the_checks_trainer_publishes_canonical_pieces_for_fp8_and_sglangs_names_for_bf16() -> None:
+    from sglang_gpu import Trainer, to_checkpoint
+
+    config = TINY["qwen3_fp8"]
+    trainer = Trainer(config, {}, "cpu")
+    weights = trainer.weights(1)
+    assert trainer.fp8 and sorted(weights) == sorted(fp8.shards(config))
+    assert all(t.dtype == torch.bfloat16 for t in weights.values())
+    bad, shards, what = trainer.failing()
+    assert shards is not None and sorted(bad) == sorted(shards) == sorted(set(weights) - {what.split()[0]})
+    assert what.split()[0].endswith("q_proj.weight")
+    ckpt = trainer.checkpoint(weights)
+    assert ckpt.keys() == fp8.fp8_checkpoint(config, weights).keys()
+    assert trainer.expected(weights).keys() == fp8.expected_state(config, weights).keys()
+
+    bf16 = TINY["qwen3"]
+    _, iplan = fp8.plans(bf16)
+    params = {n: {"shape": list(s), "dtype": "bfloat16"} for n, s in iplan.param_shapes().items()}
+    trainer = Trainer(bf16, params, "cpu")
+    weights = trainer.weights(1)
+    assert not trainer.fp8 and sorted(weights) == sorted(params) and trainer.expected(weights) is weights
+    bad, shards, what = trainer.failing()
+    name = what.split()[0]
+    assert shards is None and bad[name].numel() == weights[name].numel() + 1
+    assert trainer.checkpoint(weights).keys() == to_checkpoint(weights, bf16).keys()
+
+
 # --- the trainer side of the check against our loader's wiring and reader -----------------------------------
 
 

@@ -1,7 +1,8 @@
 """GPU tier: the REAL SGLang 0.5.17 on one GPU, our loader in its scheduler, weights over real CUDA IPC.
 
-Runs `bench/sglang_gpu.py check` (its docstring lists the checks) and asserts that every check passed. Needs
-CUDA and SGLang importable, which only the H200 run sets up:
+Runs `bench/sglang_gpu.py check` (its docstring lists the checks; the `_fp8` architectures serve block FP8
+from a BF16 trainer) and asserts that every check passed. Needs CUDA and SGLang importable, which only the
+H200 run sets up:
 
     device run, carry [".device/sglang-gpu"], command "bash bench/colocated_device.sh sglang-gpu check"
 
@@ -29,7 +30,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_fp8", "qwen3_moe_fp8"])
 def test_real_sglang_installs_our_weights_bitwise(arch: str, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
