@@ -139,7 +139,11 @@ def fp8_info(model: torch.nn.Module, named_tensors: Any) -> None:
             }
             if scales:
                 info["ue8m0"] = scales
-            derived = sorted(a for a in vars(module) if any(d in a for d in _DERIVED))
+            derived = sorted(  # tensors only: 0.5.23 also sets flags such as `deepgemm_mxfp8_input`
+                a
+                for a, v in vars(module).items()
+                if isinstance(v, torch.Tensor) and any(d in a for d in _DERIVED)
+            )
             derived += sorted(
                 n for n, _ in module.named_parameters(recurse=False) if any(d in n for d in _DERIVED)
             )

@@ -259,6 +259,16 @@ def test_sglangs_own_load_weights_of_the_fp8_checkpoint_gives_the_expected_state
     for arch, got in result["models"].items():
         assert got["quant_config"] == "Fp8Config" and got["params"] > 0, (arch, got)
         assert not got["wrong"] and not got["extra"], (arch, got)
+        # the GPU check's fp8_info probe on these layers: every quantized one found, block FP8, fp32 scales,
+        # nothing derived (SGLang's CPU build picks Triton's GEMM as on the H200)
+        info = got["fp8_info"]
+        assert info["quantization_config"] == TINY[arch]["quantization_config"]
+        layers = {n: x for n, x in info["layers"].items() if x.get("block_quant")}
+        names = {"qkv_proj", "o_proj"} | ({"experts"} if "moe" in arch else {"gate_up_proj", "down_proj"})
+        assert {n.rsplit(".", 1)[-1] for n in layers} == names, sorted(layers)
+        assert len(layers) == len(names) * TINY[arch]["num_hidden_layers"]
+        assert all(not x["derived"] and not any(x["ue8m0"].values()) for x in layers.values()), layers
+        assert {x.get("gemm") for x in layers.values() if "gemm" in x} == {"triton_w8a8_block_fp8_linear"}
 
 
 def _load(root: Path) -> None:
@@ -266,6 +276,8 @@ def _load(root: Path) -> None:
     import copy
 
     from sglang_gpu_classes import SGLangModels
+
+    from tests.sglang_gpu import probe
 
     dirs = {}
     for arch in FP8_ARCHS:
@@ -301,7 +313,11 @@ def _load(root: Path) -> None:
         model.load_weights(list(fp8.fp8_checkpoint(config, weights).items()))
         want = fp8.expected_state(config, weights)
         got = dict(model.named_parameters())
+        os.environ["SGLANG_GPU_PROBE_DIR"] = str(root)
+        probe.fp8_info(model, [])
+        info = json.loads((root / "fp8_info-rank0.json").read_text())
         out["models"][arch] = {
+            "fp8_info": info,
             "quant_config": type(quant_config).__name__,
             "params": len(got),
             "wrong": [
