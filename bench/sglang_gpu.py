@@ -535,31 +535,11 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
         if trainer.fp8:
             info = engine.probe("fp8_info")
             report["fp8_info"] = info
-            fp8_layers = [n for n, x in info["layers"].items() if x.get("block_quant")]
-            derived = {n: x["derived"] for n, x in info["layers"].items() if x.get("derived")}
-            ue8m0 = {n: x["ue8m0"] for n, x in info["layers"].items() if any(x.get("ue8m0", {}).values())}
-            seen = info["quantization_config"] or {}
-            held = {
-                f"{n}.{w}": (params[f"{n}.{w}"]["dtype"], params[f"{n}.{w}_scale_inv"]["dtype"])
-                for n in fp8_layers
-                for w in ("weight", "w13_weight", "w2_weight")
-                if f"{n}.{w}" in params
-            }
+            ok, detail = fp8.engine_check(info, params)
             checks.add(
                 "block FP8: SGLang's FP8 layers hold e4m3 weights, fp32 scales, nothing derived from them",
-                bool(fp8_layers)
-                and all(seen.get(k) == v for k, v in fp8.QUANTIZATION_CONFIG.items())
-                and bool(held)
-                and all(d == ("float8_e4m3fn", "float32") for d in held.values())
-                and not derived
-                and not ue8m0,
-                layers=len(fp8_layers),
-                weights=len(held),
-                gemm=sorted({str(x.get("gemm")) for x in info["layers"].values() if x.get("block_quant")}),
-                moe_runner=sorted({x["moe_runner"] for x in info["layers"].values() if "moe_runner" in x}),
-                derived=derived,
-                ue8m0=ue8m0,
-                switches=info["switches"],
+                ok,
+                **detail,
             )
         gens = [engine.generate()]
         writer = new_writer(engine.cfg(), device=0 if engine.cuda else None)

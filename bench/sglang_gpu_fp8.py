@@ -164,6 +164,42 @@ def fp8_checkpoint(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor
     return out
 
 
+def engine_check(info: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]]) -> tuple[bool, dict]:
+    """The `fp8_info` probe's report on a block-FP8 engine, judged: SGLang read our quantization_config, its
+    FP8 layers (Fp8LinearMethod / Fp8MoEMethod) hold e4m3 weights with fp32 `*_scale_inv`, no scale is
+    UE8M0 and no layer holds a tensor derived from them. `params`: the `meta` probe's table. (ok, detail)."""
+    layers = {n: x for n, x in info["layers"].items() if x.get("block_quant")}
+    derived = {n: x["derived"] for n, x in layers.items() if x.get("derived")}
+    ue8m0 = {n: x["ue8m0"] for n, x in layers.items() if any(x.get("ue8m0", {}).values())}
+    seen = info.get("quantization_config") or {}
+    held = {
+        f"{n}.{w}": (params[f"{n}.{w}"]["dtype"], params.get(f"{n}.{w}_scale_inv", {}).get("dtype"))
+        for n in layers
+        for w in ("weight", "w13_weight", "w2_weight")
+        if f"{n}.{w}" in params
+    }
+    ok = (
+        bool(layers)
+        and all(seen.get(k) == v for k, v in QUANTIZATION_CONFIG.items())
+        and bool(held)
+        and all(d == ("float8_e4m3fn", "float32") for d in held.values())
+        and not derived
+        and not ue8m0
+    )
+    detail = {
+        "layers": len(layers),
+        "weights": len(held),
+        "not_e4m3_fp32": {n: d for n, d in held.items() if d != ("float8_e4m3fn", "float32")},
+        "gemm": sorted({str(x["gemm"]) for x in layers.values() if "gemm" in x}),
+        "moe_runner": sorted({str(x["moe_runner"]) for x in layers.values() if "moe_runner" in x}),
+        "derived": derived,
+        "ue8m0": ue8m0,
+        "quantization_config": seen,
+        "switches": info.get("switches"),
+    }
+    return ok, detail
+
+
 def missing_piece(config: Mapping[str, Any], weights: dict[str, torch.Tensor]) -> tuple[dict, dict, str]:
     """A step that must fail: the first layer's q_proj (part of an e4m3 parameter) not published, so the
     reader cannot fill `qkv_proj` (CoverageError) after it has quantized the rest. (weights, shards, name).

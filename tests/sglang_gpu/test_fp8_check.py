@@ -269,6 +269,10 @@ def test_sglangs_own_load_weights_of_the_fp8_checkpoint_gives_the_expected_state
         assert len(layers) == len(names) * TINY[arch]["num_hidden_layers"]
         assert all(not x["derived"] and not any(x["ue8m0"].values()) for x in layers.values()), layers
         assert {x.get("gemm") for x in layers.values() if "gemm" in x} == {"triton_w8a8_block_fp8_linear"}
+        ok, detail = fp8.engine_check(info, got["meta"])  # what check_arch judges the report by
+        e4m3 = [n for n, x in got["meta"].items() if x["dtype"] == "float8_e4m3fn"]
+        assert ok and detail["layers"] == len(layers) and detail["weights"] == len(e4m3), detail
+        assert fp8.engine_check({**info, "quantization_config": None}, got["meta"])[0] is False
 
 
 def _load(root: Path) -> None:
@@ -318,6 +322,7 @@ def _load(root: Path) -> None:
         info = json.loads((root / "fp8_info-rank0.json").read_text())
         out["models"][arch] = {
             "fp8_info": info,
+            "meta": {n: {"dtype": str(p.dtype).removeprefix("torch.")} for n, p in got.items()},
             "quant_config": type(quant_config).__name__,
             "params": len(got),
             "wrong": [
