@@ -2,19 +2,23 @@
 configs are what SGLang accepts for block FP8, the checkpoint's pieces quantize to the same bytes as the
 fused parameters the check expects, and the whole trainer side of the check (record, canonical pieces with
 their shards, the failing step) against our loader's automatic wiring and reader, over shared memory and a
-real Redis, installs bit-equal to `expected_state` into a stand-in for SGLang's block-FP8 parameters.
+real Redis, installs bit-equal to `expected_state` into a stand-in for SGLang's block-FP8 parameters; then
+`check_arch` itself, whole, against an emulated engine (the driver's FP8 branch: every check it makes). Slow
+set (COLOCATE_SLOW_TESTS=1): SGLang 0.5.23's own FP8 model classes on CPU load the check's checkpoint into
+exactly `expected_state`, and the `fp8_info` probe reads their layers.
 
-What needs the GPU (SGLang's FP8 kernels are CUDA / Triton only) runs on the H200:
-`bash bench/colocated_device.sh sglang-gpu check --arch qwen3_fp8 qwen3_moe_fp8`."""
+What needs the GPU (SGLang's FP8 kernels are CUDA / Triton only) runs on the H200, one call per model:
+`bash bench/colocated_device.sh sglang-gpu check --arch qwen3_fp8` (and `--arch qwen3_moe_fp8`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -338,3 +342,195 @@ def _load(root: Path) -> None:
 if __name__ == "__main__" and sys.argv[1:2] == ["load"]:
     sys.path[:0] = [p for p in (str(REPO),) if p not in sys.path]
     _load(Path(sys.argv[2]))
+
+
+# --- check_arch's block-FP8 branch, end to end against an emulated engine -----------------------------------
+
+
+class EmulatedEngine:
+    """bench/sglang_gpu.py's `Engine` as check_arch uses it, with SGLang emulated in this process: the model
+    is `SGLangStandIn`; an update runs our loader's own steps (automatic wiring from the trainer record, then
+    a reader with the scales, the local path's settings); the probes read and write the stand-in; SGLang's
+    `load_weights` of checkpoint names and a start from a checkpoint place each piece where its loader does
+    (read_fp8's views); `generate` is a digest of every parameter's bytes. What this runs is the driver: its
+    trainer, its steps, its checks (SGLang itself is the H200's part)."""
+
+    def __init__(self, args: Any, work: Path, redis: RedisServer, config: dict, **kw: Any) -> None:
+        from types import SimpleNamespace
+
+        from colocate_runtime.colocated.config import ColocateConfig
+        from colocate_runtime.colocated.wiring import new_responder
+        from tests.runtime.colocated_env import shm_env
+
+        self.config, self.cuda, self.work = config, False, work
+        self.probe_dir = work / "probe"
+        self.probe_dir.mkdir(parents=True, exist_ok=True)
+        self.log = work / "sglang.log"
+        self.log.write_text("emulated\n")
+        env = shm_env(
+            redis, work / "shm", COLOCATE_JOB_NAME=f"gpu-{work.name}", COLOCATE_VERIFY="SampledChecksum"
+        )
+        env.update(COLOCATE_STEP_TIMEOUT_SECONDS="30", COLOCATE_ROLLOUT_WEIGHTS="BlockFP8")
+        self.colocate = env
+        self.model = SGLangStandIn(config)
+        self.reader: Any = None
+        self.responder = new_responder(ColocateConfig.from_env(env))
+        self.client = SimpleNamespace(
+            engine=SimpleNamespace(version="emulated"),
+            server_info={},
+            paused=False,
+            version=None,
+            get_weight_version=lambda: self.client.version,
+            ready=lambda: True,
+        )
+        if kw.get("model_dir") is not None:  # a server started from a checkpoint
+            from safetensors.torch import load_file
+
+            self._place(load_file(str(Path(kw["model_dir"]) / "model.safetensors")))
+
+    def cfg(self) -> Any:
+        from colocate_runtime.colocated.config import ColocateConfig
+
+        return ColocateConfig.from_env(self.colocate)
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        self.responder.stop()
+
+    def reader_phases(self, step: int) -> dict:
+        return {}
+
+    def generate(self, tokens: int = 16) -> list[int]:
+        from tests.sglang_gpu.probe import digest
+
+        text = "".join(digest(t) for _, t in sorted(self.model.named_parameters()))
+        return [int(c, 16) for c in __import__("hashlib").sha256(text.encode()).hexdigest()[:tokens]]
+
+    def _place(self, ckpt: dict[str, torch.Tensor]) -> None:
+        _, iplan = fp8.plans(self.config)
+        targets, scales = read_fp8(iplan, dict(self.model.named_parameters()), fp8.quantization(self.config))
+        for name, view in targets.items():
+            view.copy_(ckpt[name])
+        for name, view in scales.items():
+            view.copy_(ckpt[name + "_scale_inv"])
+
+    def install(self) -> None:
+        """SGLang's update call with our loader (sglang/loader.py `_new_reader`, then `apply_next`)."""
+        if self.reader is None:
+            from colocate_runtime.colocated.wiring import connect, importer_for, new_reader
+            from colocate_runtime.sglang import auto
+
+            cfg = self.cfg()
+            store = connect(cfg)
+            uuid = importer_for(cfg).device_uuid()
+            wired = auto.automatic_wiring(
+                self.model, cfg, store, auto.Worker(0, None, None, uuid), auto.EngineArgs(1)
+            )
+            store.close()
+            assert wired is not None and wired.fp8_format is not None
+            self.reader = new_reader(
+                cfg,
+                wired.targets,
+                target_shards=wired.target_shards,
+                scales=wired.scales,
+                fp8_format=wired.fp8_format,
+                preflight=False,
+            )
+            self.reader.settings = replace(self.reader.settings, allow_extra_entries=True)
+        with contextlib.suppress(Exception):  # SGLang answers success; the writer learns it from the ACK
+            self.reader.apply_next(timeout_s=30)
+
+    def probe(self, name: str) -> Any:
+        params = dict(self.model.named_parameters())
+        if name == "meta":
+            table = {
+                n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "ptr": p.data_ptr()}
+                for n, p in params.items()
+            }
+            return {"params": table}
+        if name == "dump":
+            return {
+                "params": {n: p.clone() for n, p in params.items()},
+                "ptrs": {n: p.data_ptr() for n, p in params.items()},
+            }
+        if name == "fp8_info":
+            layers = {
+                n.rsplit(".", 1)[0]: {
+                    "block_quant": True,
+                    "gemm": "triton_w8a8_block_fp8_linear",
+                    "ue8m0": {f"{n.rsplit('.', 1)[1]}_scale_inv": False},
+                    "derived": [],
+                }
+                for n, p in params.items()
+                if p.dtype == torch.float8_e4m3fn
+            }
+            return {
+                "layers": layers,
+                "switches": {},
+                "quantization_config": self.config["quantization_config"],
+            }
+        if name == "reference_load":
+            self._place(torch.load(self.probe_dir / "reference.pt"))
+            return {}
+        raise AssertionError(name)
+
+
+class EmulatedRollout:
+    """ColocatedRollout's calls as check_arch makes them, against `EmulatedEngine`."""
+
+    engines: ClassVar[list[EmulatedEngine]] = []
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.engine = next(e for e in self.engines if e.client is client)
+
+    def start(self) -> None:
+        pass
+
+    def before_training(self) -> None:
+        self.client.paused = True
+
+    def install_weights(self, version: str, confirm: Any) -> None:
+        from colocate_runtime.sglang.rollout import StepNotInstalled
+
+        self.engine.install()
+        try:
+            confirm()
+        except Exception as err:
+            raise StepNotInstalled(f"step {version} not installed: {err}") from err
+        self.client.version, self.client.paused = version, False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("arch", FP8_ARCHS)
+def test_check_arch_runs_its_fp8_branch_whole_against_an_emulated_engine(
+    arch: str, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    import sglang_gpu
+
+    def engine(*a: Any, **kw: Any) -> EmulatedEngine:
+        EmulatedRollout.engines.append(EmulatedEngine(*a, **kw))
+        return EmulatedRollout.engines[-1]
+
+    engine._write_config = sglang_gpu.Engine._write_config  # type: ignore[attr-defined]
+    monkeypatch.setattr(sglang_gpu, "Engine", engine)
+    monkeypatch.setattr(sglang_gpu, "ColocatedRollout", EmulatedRollout)
+    monkeypatch.setattr(EmulatedRollout, "engines", [])
+    args = argparse.Namespace(device="cpu", steps=2, reference_server=True)
+    report = sglang_gpu.check_arch(args, arch, redis_server, tmp_path)
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert report["ok"] and not failed, json.dumps(failed, indent=1, default=str)[:3000]
+    names = [c["check"] for c in report["checks"]]
+    assert names[0].startswith("block FP8: SGLang's FP8 layers hold e4m3")
+    assert "step 2: SGLang's parameters bitwise = the reference quantizer of the published BF16" in names
+    assert "a server loaded from that checkpoint: parameters bitwise = our update's" in names
+    failed_step = next(c for c in report["checks"] if c["check"] == "failed step: StepNotInstalled")
+    assert "q_proj.weight not published" in failed_step["wrong"] and "not filled" in failed_step["error"]
