@@ -263,6 +263,7 @@ def test_sglangs_own_load_weights_of_the_fp8_checkpoint_gives_the_expected_state
     for arch, got in result["models"].items():
         assert got["quant_config"] == "Fp8Config" and got["params"] > 0, (arch, got)
         assert not got["wrong"] and not got["extra"], (arch, got)
+        assert not got["dims_differ"], got["dims_differ"]  # the trainer record's dims are the engine's
         # the GPU check's fp8_info probe on these layers: every quantized one found, block FP8, fp32 scales,
         # nothing derived (SGLang's CPU build picks Triton's GEMM as on the H200)
         info = got["fp8_info"]
@@ -324,7 +325,13 @@ def _load(root: Path) -> None:
         os.environ["SGLANG_GPU_PROBE_DIR"] = str(root)
         probe.fp8_info(model, [])
         info = json.loads((root / "fp8_info-rank0.json").read_text())
+        from colocate_runtime.convert import model_spec
+        from colocate_runtime.convert.published import dims_differences, dims_of
+        from colocate_runtime.sglang.auto import hf_config_of
+
+        seen = hf_config_of(model)  # what our loader's automatic wiring reads in SGLang's scheduler
         out["models"][arch] = {
+            "dims_differ": dims_differences(dims_of(model_spec(config)), dims_of(model_spec(seen))),
             "fp8_info": info,
             "meta": {n: {"dtype": str(p.dtype).removeprefix("torch.")} for n, p in got.items()},
             "quant_config": type(quant_config).__name__,
