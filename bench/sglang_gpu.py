@@ -582,8 +582,10 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
             rollout.before_training()
             sync()
             free["released"].append(gpu_free())
-            bad, bad_shards, what = trainer.failing()
+            # Read before the failing step's inputs exist: a block-FP8 trainer makes them anew, and they are
+            # gone again (`del bad`) when the second reading is taken.
             alloc0 = torch.cuda.memory_allocated() if engine.cuda else None
+            bad, bad_shards, what = trainer.failing()
             failed = None
             try:
                 pending = writer.publish(100, bad, shards=bad_shards, weight_version="bad")
@@ -650,9 +652,11 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                     max(ins[1:]) - min(ins[1:]) <= 4 << 20,
                     free_installed=ins,
                 )
+                # From the second step: the first builds the writer's per-layout device tables (the weights
+                # check's sample program, about 15 KB for the tiny models), kept for every later step.
                 checks.add(
-                    "trainer: every step's buckets freed",
-                    all(a == b for a, b in trainer_alloc),
+                    "trainer: every step's buckets freed (from the second step)",
+                    all(a == b for a, b in trainer_alloc[1:]),
                     trainer_allocated=trainer_alloc,
                 )
                 report["released_gib"] = round((rel[0] - ins[0]) / 2**30, 3)

@@ -171,7 +171,8 @@ def engine_check(info: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]
     layers = {n: x for n, x in info["layers"].items() if x.get("block_quant")}
     derived = {n: x["derived"] for n, x in layers.items() if x.get("derived")}
     ue8m0 = {n: x["ue8m0"] for n, x in layers.items() if any(x.get("ue8m0", {}).values())}
-    seen = info.get("quantization_config") or {}
+    seen = info.get("quantization_config")
+    seen = seen if isinstance(seen, dict) else {"unreadable": seen}
     held = {
         f"{n}.{w}": (params[f"{n}.{w}"]["dtype"], params.get(f"{n}.{w}_scale_inv", {}).get("dtype"))
         for n in layers

@@ -157,7 +157,8 @@ def run_reader(args: argparse.Namespace) -> None:
     from colocate_runtime.colocated.wiring import new_reader
     from colocate_runtime.shards import TensorShard
 
-    fp8_copy.NATIVE_CAST = args.fp8_native_cast
+    fp8_copy.NATIVE_CAST = args.fp8_cast == "native"
+    fp8_copy.WARPS = args.fp8_warps or fp8_copy.WARPS
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -374,7 +375,9 @@ def run_mode(
             str(args.steps),
             "--target-dtype",
             target,
-            *(["--fp8-native-cast"] if args.fp8_native_cast else []),
+            "--fp8-cast",
+            args.fp8_cast,
+            *(["--fp8-warps", str(args.fp8_warps)] if args.fp8_warps else []),
         ],
         env={
             **os.environ,
@@ -465,7 +468,8 @@ def run_mode(
         "preset": name,
         "mode": mode,
         "target_dtype": target,
-        "fp8_native_cast": args.fp8_native_cast if target != "bfloat16" else None,
+        "fp8_native_cast": args.fp8_cast == "native" if target != "bfloat16" else None,
+        "fp8_warps": (args.fp8_warps or None) if target != "bfloat16" else None,
         "via": "publisher" if publisher is not None else "writer",
         "ms": med(timed, "total"),
         "floor_ms": floor_s * 1e3,
@@ -590,9 +594,13 @@ def main() -> None:
         help="what SGLang holds: bfloat16, or block FP8 (quantized on the copy); several: one row each",
     )
     p.add_argument(
-        "--fp8-native-cast",
-        action="store_true",
-        help="block FP8: the kernel uses the GPU's own e4m3 conversion (fp8_copy.NATIVE_CAST)",
+        "--fp8-cast",
+        choices=("native", "integer"),
+        default="native",
+        help="block FP8: the GPU's own e4m3 conversion (default) or integer rounding (fp8_copy.NATIVE_CAST)",
+    )
+    p.add_argument(
+        "--fp8-warps", type=int, default=0, help="block FP8: the kernel's warps (0: fp8_copy.WARPS)"
     )
     p.add_argument("--no-save", action="store_true", help="do not append to bench/results/step.jsonl")
     p.add_argument(

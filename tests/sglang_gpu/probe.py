@@ -41,6 +41,18 @@ def _out(name: str, suffix: str) -> Path:
     return Path(os.environ["SGLANG_GPU_PROBE_DIR"]) / f"{name}-rank{_rank()}{suffix}"
 
 
+def _plain(value: Any) -> Any:
+    """JSON's own types kept, anything else by its type's name: SGLang's configs nest objects whose repr
+    itself fails to serialize."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return f"<{type(value).__name__}>"
+
+
 def _write_json(name: str, value: Any) -> None:
     tmp = _out(name, ".tmp")
     tmp.write_text(json.dumps(value))
@@ -168,6 +180,9 @@ def fp8_info(model: torch.nn.Module, named_tensors: Any) -> None:
         if config is not None:
             as_dict = dict(config) if isinstance(config, dict) else config.to_dict()
             seen = as_dict.get("quantization_config")
-        _write_json("fp8_info", {"layers": layers, "switches": switches, "quantization_config": seen})
+            if seen is not None and not isinstance(seen, dict) and hasattr(seen, "to_dict"):
+                seen = seen.to_dict()
+        info_all = {"layers": layers, "switches": switches, "quantization_config": seen}
+        _write_json("fp8_info", _plain(info_all))
     except Exception:
         log.exception("probe.fp8_info failed")
