@@ -157,6 +157,7 @@ def compile_program(
         if target is None:
             program.extra[e.name] = e
             continue
+        _check_global_shape(e, target_shards.get(e.name), manifest.step)
         if target.dtype == torch.float8_e4m3fn and scales is not None and e.name in scales:
             (gathered if in_place else quantized).append(e)
             continue
@@ -202,6 +203,21 @@ def compile_program(
         if entries:
             program.buckets[b.index] = _bucket_program(b, entries, targets, device)
     return program
+
+
+def _check_global_shape(e: PlacedEntry, tshard: TensorShard | None, step: int) -> None:
+    """With shard boxes on the engine's side, only the overlap of the two boxes is copied: a parameter the
+    trainer sent in another shape would land in part and pass. Both sides' boxes are in canonical coordinates,
+    so their global shapes must be the same."""
+    if tshard is None:
+        return
+    sent = e.shard.global_shape if e.shard is not None else e.shape
+    if tuple(sent) != tuple(tshard.global_shape):
+        raise StepFailed(
+            f"{e.name}: trainer sent a parameter of shape {list(sent)}, the engine's is "
+            f"{list(tshard.global_shape)}",
+            step=step,
+        )
 
 
 def _bucket_program(

@@ -230,3 +230,22 @@ def test_an_in_place_layout_is_one_gather_program() -> None:
     covered, nbytes = run(program, manifest, {0: storage.view(torch.uint8)}, {"w": target})
     assert covered == {"w": 35} and nbytes == 35 * 4
     assert torch.equal(target, storage.view(7, 5).t())
+
+
+@pytest.mark.parametrize("trainer_shard", [False, True], ids=["whole", "own-shard"])
+def test_a_parameter_sent_in_another_shape_fails_rather_than_landing_in_part(trainer_shard: bool) -> None:
+    """With the engine's shard boxes only the overlap is copied, so a 257-element norm against a 256-element
+    parameter would install its first 256 and pass; it must fail, naming both shapes."""
+    sent = {"norm.weight": torch.ones(257, dtype=torch.bfloat16)}
+    shards = (
+        {"norm.weight": TensorShard("norm.weight", (257,), "bfloat16", Box((0,), (257,)))}
+        if trainer_shard
+        else {}
+    )
+    manifest, _ = packed(sent, shards=shards)
+    targets = {"norm.weight": torch.zeros(256, dtype=torch.bfloat16)}
+    engine = {"norm.weight": TensorShard("norm.weight", (256,), "bfloat16", Box((0,), (256,)))}
+    with pytest.raises(
+        StepFailed, match=r"norm.weight: trainer sent a parameter of shape \[257\], the engine's is \[256\]"
+    ):
+        compile_program(manifest, targets, engine, None)
