@@ -50,6 +50,10 @@ WORKER_REDIS_USER: Final = "colocate-worker"
 # External: the optional key of the job's password Secret naming the Redis user of that password.
 SECRET_USERNAME_KEY: Final = "username"
 SECRET_CONFIG_KEY: Final = "redis.conf"
+# What a Managed Secret holds, on its metadata (read without its data): "2" has the pods' worker user. A
+# Secret without it predates that user: the operator says so in an Event (reconciler._read_children).
+SECRET_FORMAT_ANNOTATION: Final = f"{GROUP}/secret-format"
+SECRET_FORMAT: Final = "2"
 REDIS_CONFIG_MOUNT: Final = "/etc/colocate-redis"
 # Patched Redis (7.4.6 fixed the Lua RCE CVE-2025-49844, which no ACL can block: the protocol needs EVAL),
 # pinned by the digest of the official multi-platform image (operator/README.md says where it comes from).
@@ -153,6 +157,7 @@ class Reason:
     POD_EXITED_WITHOUT_FINAL_STEP: Final = "PodExitedWithoutFinalStep"
     PLACEMENT_TIMEOUT: Final = "PlacementTimeout"  # a partly placed group released its GPUs
     META_STORE_PASSWORD_CHANGED: Final = "MetaStorePasswordChanged"  # its Secret was deleted and made anew
+    META_STORE_SECRET_OUTDATED: Final = "MetaStoreSecretOutdated"  # it predates the worker user: delete it
     GROUP_RUNNING: Final = "GroupRunning"
     ENGINE_EXITED: Final = "EngineExited"  # SGLang exited and this cluster cannot restart it alone
     ENGINE_CRASH_LOOPING: Final = "EngineCrashLooping"  # SGLang restarted in place past maxEngineRestarts

@@ -40,6 +40,8 @@ from colocate_operator.constants import (
     REDIS_CONFIG_MOUNT,
     REDIS_PORT,
     SECRET_CONFIG_KEY,
+    SECRET_FORMAT,
+    SECRET_FORMAT_ANNOTATION,
     SECRET_PASSWORD_KEY,
     SECRET_USERNAME_KEY,
     SECRET_WORKER_PASSWORD_KEY,
@@ -173,7 +175,12 @@ def secret(job: ColocateJob, password: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": names.metadata(job.ref, names.metastore_secret(job.ref.name), COMPONENT_METASTORE),
+        "metadata": names.metadata(
+            job.ref,
+            names.metastore_secret(job.ref.name),
+            COMPONENT_METASTORE,
+            annotations={SECRET_FORMAT_ANNOTATION: SECRET_FORMAT},
+        ),
         "type": "Opaque",
         "immutable": True,  # an edit would split Redis and the pods; a new password is a new Secret
         "stringData": {

@@ -38,6 +38,8 @@ from colocate_operator.constants import (
     COMPONENT_METASTORE,
     COMPONENT_WORKER,
     KIND,
+    SECRET_FORMAT,
+    SECRET_FORMAT_ANNOTATION,
     Phase,
     Reason,
 )
@@ -104,6 +106,7 @@ class Reconciler:
         self._jobs_lock = threading.Lock()
         self._instance = socket.gethostname()
         self._failure_events: dict[tuple[str, str, str, str, int], float] = {}
+        self._outdated_secrets: set[str] = set()  # jobs told their Secret predates the worker user
         self._creators = ThreadPoolExecutor(max_workers=8, thread_name_prefix="create")
         # A job's meta-store is read and written on threads of its own, never on these workers: a store one
         # job paused or slowed holds back only that job (checkpoints.py).
@@ -309,12 +312,38 @@ class Reconciler:
             meta = self._get(job, child, metadata_only=True)
             if meta is not None and _is_owned(meta, uid):
                 seen.add(key)
+                if _outdated_secret(child, meta):
+                    self._report_outdated_secret(job, meta)
             elif meta is not None:
                 found.foreign.append(ForeignChild.from_body(key, meta))
             if key in found.conflicts and key not in {f.key for f in found.foreign}:
                 self.known.resolved(uid, key)
         found.children |= seen
         self.known.saw_children(uid, seen)
+
+    def _report_outdated_secret(self, job: ColocateJob, meta: dict[str, Any]) -> None:
+        """A Managed Secret from before the worker user (no `worker-password`): the pods' containers cannot
+        start. The chart grants no `delete` on Secrets (least privilege), so the user deletes it, once; the
+        operator then makes a new one and restarts Redis and the pods on it (MetaStorePasswordChanged). Said
+        once per job and operator process."""
+        if job.ref.uid in self._outdated_secrets:
+            return
+        self._outdated_secrets.add(job.ref.uid)
+        name, ns = meta["metadata"]["name"], job.ref.namespace
+        self._post_event(
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": {"name": job.ref.name, "namespace": ns, "uid": job.ref.uid},
+            },
+            EventSpec(
+                "Warning",
+                Reason.META_STORE_SECRET_OUTDATED,
+                f"Secret {name} predates the pods' Redis user (it has no worker-password key), so their "
+                f"containers cannot start: delete it (kubectl delete secret {name} -n {ns}) and the operator "
+                "makes a new one and restarts Redis and the pods on it",
+            ),
+        )
 
     def _get(
         self, job: ColocateJob, child: children.Child, *, metadata_only: bool = False
@@ -634,6 +663,11 @@ def _announces(event: EventSpec, held: set[str]) -> bool:
 
 def _wave(kind: str) -> int:
     return 0 if kind == "Secret" else 2 if kind == "Pod" else 1
+
+
+def _outdated_secret(child: children.Child, meta: dict[str, Any]) -> bool:
+    annotations = (meta.get("metadata") or {}).get("annotations") or {}
+    return child.kind == "Secret" and annotations.get(SECRET_FORMAT_ANNOTATION) != SECRET_FORMAT
 
 
 def _is_owned(body: dict[str, Any], uid: str) -> bool:

@@ -904,3 +904,60 @@ def test_a_deleted_metastore_secret_restarts_redis_and_the_pods_on_the_new_passw
         "a new Redis pod (it reads the password at start)",
     )
     assert new_redis and not old_redis & new_redis
+
+
+def test_a_secret_from_before_the_worker_user_is_named_and_replaced_once_deleted(
+    cluster,
+    namespace: str,
+    operator_process: OperatorProcess,
+    operator_identity: ChartIdentity,
+    tmp_path: Path,
+) -> None:
+    """An operator upgraded over a job whose Managed Secret has no `worker-password` (written before the
+    worker user existed) says so in one Warning Event with the command to run (the chart grants no delete on
+    Secrets); once the user deletes it, a new one with the key is made and the group restarts on it."""
+    apply_job(cluster, namespace, runPolicy={"backoffSeconds": 0})
+    wait_phase(cluster, namespace, "Running")
+    operator_process.stop()
+    current = get(cluster, namespace, "secret", "demo-metastore-auth")
+    old = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "demo-metastore-auth",
+            "labels": current["metadata"]["labels"],
+            "ownerReferences": current["metadata"]["ownerReferences"],
+        },
+        "immutable": True,
+        "data": {k: v for k, v in current["data"].items() if k != "worker-password"},
+    }
+    cluster.kubectl("delete", "secret", "demo-metastore-auth", "-n", namespace)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(old))
+    old_uid = get(cluster, namespace, "secret", "demo-metastore-auth")["metadata"]["uid"]
+    upgraded = OperatorProcess(namespace, tmp_path / "upgraded.log", operator_identity).start()
+    try:
+        wait_for(
+            lambda: "MetaStoreSecretOutdated" in job_event_reasons(cluster, namespace),
+            60,
+            "a MetaStoreSecretOutdated Event",
+        )
+        events = get(cluster, namespace, "events", "--field-selector", "reason=MetaStoreSecretOutdated")
+        assert len(events["items"]) == 1, "said once"
+        assert f"kubectl delete secret demo-metastore-auth -n {namespace}" in events["items"][0]["message"]
+        cluster.kubectl("delete", "secret", "demo-metastore-auth", "-n", namespace)
+        status = wait_for(
+            lambda: (
+                (s := job_status(cluster, namespace)).get("restarts") == 1
+                and s.get("phase") == "Running"
+                and s
+            ),
+            90,
+            "the group restarted on a new Secret",
+        )
+        secret = get(cluster, namespace, "secret", "demo-metastore-auth")
+        assert secret["metadata"]["uid"] != old_uid and "worker-password" in secret["data"]
+        assert secret["metadata"]["annotations"]["colocate.dev/secret-format"] == "2"
+        assert "MetaStorePasswordChanged" in job_event_reasons(cluster, namespace)
+        assert status["restarts"] == 1
+    finally:
+        upgraded.stop()
