@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from colocate_operator.constants import Cond
+from colocate_operator.status import ConditionStatus
 
 
 def timestamp(moment: datetime) -> str:
@@ -44,15 +45,14 @@ def merge(
         status = "True" if update.status else "False"
         old = by_type.get(update.type)
         changed = old is None or old.get("status") != status
-        by_type[update.type] = {
-            "type": update.type,
-            "status": status,
-            "reason": update.reason,
-            "message": update.message[:4096],
-            "lastTransitionTime": timestamp(now)
-            if changed
-            else old.get("lastTransitionTime", timestamp(now)),
-            "observedGeneration": generation,
-        }
+        since = None if changed else ConditionStatus.model_validate(old).last_transition_time
+        by_type[update.type] = ConditionStatus(
+            type=update.type,
+            status=status,
+            reason=update.reason,
+            message=update.message[:4096],
+            last_transition_time=since or timestamp(now),
+            observed_generation=generation,
+        ).model_dump(mode="json", by_alias=True)
     order = {t: i for i, t in enumerate(Cond.ALL)}
     return sorted(by_type.values(), key=lambda c: (order.get(c["type"], len(order)), c["type"]))

@@ -88,9 +88,6 @@ class MetaStoreEndpoint:
     def pods_password_key(self) -> str:
         return self.pod_secret_key or self.secret_key
 
-    def status(self) -> dict[str, str]:
-        return {"mode": self.mode, "address": self.address, "secretName": self.secret_name}
-
     def refusal(self) -> str:
         return (
             f"external Redis address {self.address} is not on the operator's allow-list (chart value "

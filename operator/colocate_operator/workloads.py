@@ -15,6 +15,7 @@ from colocate_operator import kube, kueue
 from colocate_operator.decide import Plan
 from colocate_operator.observed import Observed
 from colocate_operator.spec import ColocateJob
+from colocate_operator.status import StatusView
 
 log = logging.getLogger("colocate_operator.workloads")
 
@@ -46,9 +47,10 @@ def write(api: kube.Kube, job: ColocateJob, observed: Observed, plan: Plan, now:
     state = observed.workload
     if state is None or not state.owned:
         return
-    phase = plan.status.get("phase")
+    view = StatusView(plan.status)
+    phase = view.phase
     if phase in ("Succeeded", "Failed"):
-        found = next((c for c in plan.status.get("conditions") or [] if c.get("type") == phase), None)
+        found = view.condition(phase)
         patch = kueue.finish(state, phase == "Succeeded", (found or {}).get("message") or phase, now)
     elif not observed.pods and not any(m["kind"] == "Pod" for m in plan.creates):
         patch = kueue.clear_admission(state, now)
