@@ -185,7 +185,10 @@ def _children(
 
 
 def _suspend(p: Pass, kids: _Children) -> Plan:
-    """The user's spec.suspend, the operator's on a rollout breach, or Kueue's eviction (suspension.py)."""
+    """The user's spec.suspend, the operator's on a rollout breach, or Kueue's eviction (suspension.py). A
+    Secret lost meanwhile is made anew and Redis restarts on it here too: said as when running."""
+    if kids.lost_secret:
+        p.event("Warning", Reason.META_STORE_PASSWORD_CHANGED, _password_changed(p))
     if p.job.spec.suspend and rollout_breach(p.job, dict(p.status.raw), "SuspendAtStepBoundary"):
         p.suspended_by = Reason.ROLLOUT_INCONSISTENT  # the operator set spec.suspend (rollout_check.py)
     return suspension.suspend(p, kids.creates, kids.redis_restart)
@@ -242,14 +245,18 @@ def _final(p: Pass, group: Group, final: _FinalRecord, kids: _Children) -> Plan 
     return transitions.succeed(p, group.current, kids.creates, final.stop_engines)
 
 
+def _password_changed(p: Pass) -> str:
+    return (
+        f"Secret {names.metastore_secret(p.job.ref.name)} was deleted: it is created again with a new "
+        "password, and Redis and the pods restart on it"
+    )
+
+
 def _lost_secret(p: Pass, group: Group, kids: _Children) -> Plan | None:
     """The Secret was deleted while Redis ran: a new password, so Redis and the group restart on it."""
     if not kids.lost_secret:
         return None
-    message = (
-        f"Secret {names.metastore_secret(p.job.ref.name)} was deleted: it is created again with a new "
-        "password, and Redis and the pods restart on it"
-    )
+    message = _password_changed(p)
     p.event("Warning", Reason.META_STORE_PASSWORD_CHANGED, message)
     ran = bool(group.current or p.desired.group_created)
     limit = p.job.spec.run_policy.max_restarts

@@ -952,6 +952,22 @@ def test_a_deleted_secret_restarts_redis_and_the_pods_on_the_new_password() -> N
     assert fresh.status["restarts"] == 0 and fresh.deletes == ()
 
 
+def test_a_secret_deleted_while_suspended_is_made_anew_and_said() -> None:
+    """Suspended, no pods: the Secret is made again and Redis restarts on it, with the same Warning as
+    when running (the pass may come before the resume, or after it)."""
+    job = factories.job(suspend=True)
+    first = run(running_status(), running_observed(), job)
+    observed = Observed(
+        children=INFRA - {"Secret/demo-metastore-auth"},
+        metastore_ready=True,
+        metastore_pods=(("demo-metastore-abc-x", "r1"),),
+    )
+    plan = run(first.status, observed, job)
+    assert created(plan, "Secret") == ["demo-metastore-auth"]
+    assert {d.name for d in plan.deletes} == {"demo-metastore-abc-x"}
+    assert Reason.META_STORE_PASSWORD_CHANGED in reasons(plan)
+
+
 def test_a_deleted_secret_with_no_restarts_left_fails_the_job() -> None:
     observed = replace(
         running_observed(),
