@@ -15,9 +15,9 @@ lint: setup
 	@.venv/bin/lint-imports --no-logo --no-cache
 
 ## Everything: lint, unit tests and integration tests against a real local control plane and Redis.
-## PYTEST_WORKERS=2: two pytest-xdist workers, a module per worker at a time (tests/conftest.py groups them).
-## One process by default: two workers are not yet shown reliable here (README, "Times").
-PYTEST_WORKERS ?= 0
+## Two pytest-xdist workers, a module per worker at a time (tests/conftest.py groups them); PYTEST_WORKERS=0
+## runs one process (on a machine already loaded by other work: README, "Times").
+PYTEST_WORKERS ?= 2
 test: lint
 	@COLOCATE_BIN_DIR=$(BIN_DIR) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --durations=30 $(PYTEST_ARGS)
 
