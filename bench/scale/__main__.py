@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import platform
 import subprocess
@@ -68,6 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="sample our operator with py-spy through the steady window (dev tool; it costs the "
         "operator nothing measurable but the machine some CPU): <workdir>/operator-logs/<run>-idle.txt",
     )
+    parser.add_argument(
+        "--fresh-bed",
+        action="store_true",
+        help="a new control plane for every run (default: a new one only when a run's teardown left pods)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="control plane state and logs")
     parser.add_argument(
         "--out",
@@ -113,20 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     say(f"work directory (logs, audit log): {workdir}")
     source = snapshot(args.operator_ref, workdir / "operator-source")
     say(f"our operator: {source.commit or 'work tree'}")
-    bed = Testbed(
-        workdir,
-        args.nodes,
-        cpu_nodes_for(max(sizes)),
-        kuberay_crd_dir=kuberay_crds,
-        with_redis="colocate" in operators,
-        source=source,
-    )
+    beds = itertools.count()
+
+    def new_bed() -> Testbed:
+        n = next(beds)  # each bed its own directory: a control plane keeps its etcd data in it
+        return Testbed(
+            workdir / f"bed-{n}" if n else workdir,
+            args.nodes,
+            cpu_nodes_for(max(sizes)),
+            kuberay_crd_dir=kuberay_crds,
+            with_redis="colocate" in operators,
+            source=source,
+        ).start()
+
     started = time.monotonic()
-    bed.start()
+    bed = new_bed()
     runs: list[dict] = []
     failed: list[dict] = []
     try:
-        for size, repeat, operator in schedule(sizes, operators, args.repeats):
+        for i, (size, repeat, operator) in enumerate(schedule(sizes, operators, args.repeats)):
+            if i and (args.fresh_bed or not bed.drained()):
+                say("a fresh control plane for the next run" + ("" if args.fresh_bed else ": pods were left"))
+                bed.stop()
+                bed = new_bed()
             spec = RunSpec(
                 operator,
                 size,

@@ -301,6 +301,18 @@ class Testbed:
                 with contextlib.suppress(ApiError):
                     self.api.merge_patch(path, {"metadata": {"finalizers": None}})
 
+    def drained(self, timeout: float = 120) -> bool:
+        """Whether no pod is left anywhere within `timeout`: the operators run as local processes, so every
+        pod is a run's, and one still bound would hold a node the next run's jobs need (a 1000-job run's
+        teardown left some; the next operator then measured a smaller cluster)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.api.get("/api/v1/pods", limit="1")["items"]:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(2)
+
     def pid_of(self, component: str) -> int | None:
         return next((c.pid for c in self.cluster.components if c.name == component), None)
 
