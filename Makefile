@@ -25,6 +25,8 @@ test: lint
 test-unit: setup
 	@$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
+## DEMO_ARGS=--real-node: on real containers (images built here, the operator as the chart's Deployment on a
+## real kubelet; needs root; README, "A real node and images built here").
 demo: setup
 	@COLOCATE_BIN_DIR=$(BIN_DIR) bash scripts/demo.sh
 

@@ -5,6 +5,9 @@ each of the job's pods, the two processes its containers would run (no kubelet h
 Running), started with the environment the operator put into the pod: a trainer doing real training steps on a
 tiny LM, and the SGLang STAND-IN holding the same model. Weights move through the real Redis meta-store on the
 shared-memory path (the CPU stand-in for CUDA IPC); every step shows up in `kubectl get colocatejobs`.
+
+`--real-node` runs it on real containers instead (demo/realnode_demo.py): images built here, a real kubelet,
+the operator as the chart's Deployment, the job's Redis, trainer and SGLang stand-in as containers.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from colocate_devcluster.processes import free_port
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import megatron_example as megatron  # noqa: E402
+import realnode_demo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -134,7 +138,17 @@ def main() -> int:
         help="with --example megatron: the trainer's tensor parallel size (parallelism.train.tensor); 1: "
         "two data-parallel trainer ranks feeding SGLang at TP 2",
     )
+    parser.add_argument(
+        "--real-node",
+        action="store_true",
+        help="real containers: build the images here, run the chart's operator Deployment and the job's "
+        "Redis, trainer and SGLang stand-in on a real kubelet (needs root; minutes: README, the real node)",
+    )
     args = parser.parse_args()
+    if args.real_node:
+        if args.example != "tiny":
+            parser.error("--real-node runs the tiny example only")
+        return realnode_demo.main(args, step_table=_summary)
     # Ctrl-C or a kill still tears everything down (the ExitStack below runs on SystemExit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()

@@ -5,25 +5,20 @@ plugins absent)."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
 from colocate_devcluster import Cluster, ClusterSpec
-from colocate_devcluster.realnode import REAL_NODE_LABEL, REAL_NODE_TOLERATION, can_run
-from tests.kube import CHART, ROOT, helm
+from colocate_devcluster.realnode import can_run
+from demo.realnode_demo import OPERATOR_REPOSITORY, RESTRICTED, build_images, chart_values
+from tests.kube import CHART, helm
 
 SLOW = os.environ.get("COLOCATE_SLOW_TESTS") == "1"  # the slow set: the job on real containers too
-IMAGE_REPOSITORY = "localhost/colocate-operator"  # what scripts/build-images.sh tags, the chart's appVersion
-ON_REAL_NODE = (
-    "--set-json", f'nodeSelector={{"{REAL_NODE_LABEL}":"true"}}',
-    "--set-json", f"tolerations={json.dumps([REAL_NODE_TOLERATION])}",
-)  # fmt: skip
+IMAGE_REPOSITORY = OPERATOR_REPOSITORY  # what scripts/build-images.sh tags, the chart's appVersion
 
 
 def new_namespace(cluster: Cluster, labels: dict[str, str] | None = None) -> str:
@@ -41,14 +36,11 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(f"this machine cannot run a real node: {why}")
     # The images are cached by their inputs: a warm run takes about 10-20 s (each image started once), a
     # cold one 10 min at load average 15 (two mmdebstrap runs, pip, a 1.3 GB runtime image saved).
-    script = ROOT / "scripts" / "build-images.sh"
     # The worker image (1.3 GB: a minute to import into each new containerd, more to rebuild after a source
     # change) only for the slow set's job on real containers (test_realnode_job.py).
-    env = {**os.environ, "COLOCATE_RUNTIME_IMAGE": "1" if SLOW else "0"}
-    built = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
-    assert built.returncode == 0, f"scripts/build-images.sh failed:\n{built.stderr[-3000:]}"
-    rebuilt = [line for line in built.stderr.splitlines() if " built in " in line or " made in " in line]
-    print("\n".join([*rebuilt, built.stderr.strip().splitlines()[-1]]), file=sys.stderr)  # what it cost
+    built = build_images(with_runtime=SLOW)
+    rebuilt = [line for line in built if " built in " in line or " made in " in line]
+    print("\n".join([*rebuilt, built[-1]]), file=sys.stderr)  # what it cost
     cluster = Cluster(ClusterSpec(workdir=tmp_path_factory.mktemp("realnode"), gpu_nodes=2, real_nodes=1))
     cluster.start()
     previous = os.environ.get("KUBECONFIG")
@@ -64,11 +56,6 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         print(f"\n[devcluster] real-node logs kept in {cluster.workdir}/realnode-0", file=sys.stderr)
 
 
-# Pod Security "restricted", enforced: the namespace of the job that runs on real containers
-# (test_realnode_job.py).
-RESTRICTED = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")}
-
-
 @pytest.fixture(scope="session")
 def job_namespace(real_cluster: Cluster) -> str:
     return new_namespace(real_cluster, RESTRICTED)
@@ -81,8 +68,6 @@ def operator_namespace(real_cluster: Cluster, job_namespace: str) -> str:
     namespace = new_namespace(real_cluster)
     helm(
         real_cluster, "install", "op", str(CHART), "--namespace", namespace,
-        "--set", f"image.repository={IMAGE_REPOSITORY}", "--set", "image.pullPolicy=Never",
-        "--set", f"watchNamespaces={{{job_namespace}}}",
-        *ON_REAL_NODE, "--wait", "--timeout", "90s",
+        *chart_values(job_namespace), "--wait", "--timeout", "90s",
     )  # fmt: skip
     return namespace

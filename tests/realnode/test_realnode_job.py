@@ -24,15 +24,10 @@ from typing import Any
 import pytest
 
 from colocate_devcluster import Cluster
-from colocate_devcluster.realnode import (
-    GPU_ENV,
-    GPU_ID_PREFIX,
-    REAL_NODE_LABEL,
-    REAL_NODE_TOLERATION,
-    dedicate,
-    node_name,
-)
+from colocate_devcluster.realnode import GPU_ENV, GPU_ID_PREFIX, dedicate, node_name
 from colocate_runtime.contract.events import is_final_termination_message
+from demo import realnode_demo
+from demo.realnode_demo import REDIS_IMAGE, RUNTIME_IMAGE
 from tests.kube import get_json, wait_for
 from tests.realnode.conftest import SLOW
 
@@ -46,50 +41,18 @@ pytestmark = [
     pytest.mark.skipif(not SLOW, reason="slow set: set COLOCATE_SLOW_TESTS=1"),
 ]
 
-RUNTIME_IMAGE = "localhost/colocate-runtime:0.1.0"  # scripts/build-images.sh
-REDIS_IMAGE = "localhost/colocate-redis:7.0-bookworm"
 STEPS = 3
 KILL_AFTER = 1  # the SGLang container is killed once the trainer logged this step
 STEP_SECONDS = 3  # the trainer's pace: the kill lands well before its last step
-SHM = "COLOCATE_TRANSPORT=SharedMemory"  # the CPU path; the CRD's transport is CudaIPC only
-LOADER = "colocate_runtime.sglang.loader.load_colocated_step colocate_runtime.sglang.loader.start_colocated"
-# The SGLang stand-in as the container's own process: it serves until it is killed, as a server does.
-ROLLOUT = (
-    f'{SHM} exec python -m colocate_runtime.sglang.standin --host 0.0.0.0 --port "$COLOCATE_ROLLOUT_PORT" '
-    f"--custom-weight-loader {LOADER}"
-)
-# The trainer says which GPU the device plugin gave it (not a JSON line: the test reads those as records).
-TRAINER = f'echo "{GPU_ENV}=${GPU_ENV}"; {SHM} exec python demo/trainer.py'
 
 
 def job_manifest(namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "colocate.dev/v1alpha1",
-        "kind": "ColocateJob",
-        "metadata": {"name": "rn", "namespace": namespace},
-        "spec": {
-            "numNodes": 1,
-            "gpusPerNode": 1,
-            "model": {"arch": "qwen3"},
-            "gpu": {"allocation": "DevicePlugin"},
-            "scheduling": {"nodeSelector": {REAL_NODE_LABEL: "true"}, "tolerations": [REAL_NODE_TOLERATION]},
-            "trainer": {
-                "image": RUNTIME_IMAGE,
-                "command": ["sh", "-c", TRAINER],
-                "env": [
-                    {"name": "DEMO_STEPS", "value": str(STEPS)},
-                    {"name": "DEMO_STEP_SECONDS", "value": str(STEP_SECONDS)},
-                ],
-            },
-            "rollout": {"image": RUNTIME_IMAGE, "command": ["sh", "-c", ROLLOUT]},
-            "metaStore": {"image": REDIS_IMAGE},  # Managed: the operator makes the job's Redis
-            "weightSync": {"stepTimeoutSeconds": 60},
-        },
-    }
+    """What `make demo DEMO_ARGS=--real-node` applies (examples/colocatejob.yaml on the real node), slower."""
+    return realnode_demo.job_manifest("rn", namespace, STEPS, STEP_SECONDS)
 
 
-def _records(log: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+_records = realnode_demo.records
+_container_status = realnode_demo.container_status
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +100,6 @@ def finished_job(real_cluster: Cluster, operator_namespace: str, job_namespace: 
         time.sleep(1)
     pods = {n: p.get("status") for n, p in seen["pods"].items()}
     raise AssertionError(f"the job did not finish in 300 s: {status}\npods: {json.dumps(pods)[-4000:]}")
-
-
-def _container_status(pod: dict[str, Any], name: str) -> dict[str, Any] | None:
-    statuses = pod.get("status", {}).get("containerStatuses", [])
-    return next((c for c in statuses if c["name"] == name), None)
 
 
 def test_the_jobs_redis_runs_as_a_real_container_on_the_real_node(finished_job: dict[str, Any]) -> None:
