@@ -169,15 +169,17 @@ def main(args: argparse.Namespace, step_table: StepTable) -> int:
         say(f"4/7 kubectl apply: examples/colocatejob.yaml on {node_name(0)}, Pod Security restricted")
         job = job_manifest("demo", NAMESPACE, args.steps, STEP_SECONDS)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
-        jobs_text, pods_text = _wait_running(cluster)
-        print(jobs_text + "\n" + pods_text, end="")
+        print(_wait_running(cluster), end="")
 
         say(f"5/7 {args.steps} weight-update steps, each in `kubectl get colocatejobs`")
         seen, status = _follow(cluster, "demo", args.steps)
         times["job, apply to end"] = time.monotonic() - started - sum(times.values())
 
         say("6/7 the pods and containers that ran: real containers on a real kubelet")
-        print("kubectl get pods -A -o wide, when the job's containers were Ready:\n" + pods_text)
+        print(
+            "kubectl get pods -A -o wide, when the job's containers were Ready (or done):\n"
+            + seen["pods_text"]
+        )
         operator = _get(cluster, "pods", "-n", OPERATOR_NAMESPACE)["items"]
         _containers_table([*operator, *seen["pods"].values()])
 
@@ -257,18 +259,16 @@ def _install_chart(cluster: Cluster) -> None:
 BAD_WAITING = ("ErrImageNeverPull", "CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError")
 
 
-def _wait_running(cluster: Cluster) -> tuple[str, str]:
-    """Wait until the job's Redis and its worker pod's containers are Ready; `kubectl get colocatejobs,pods`
-    and `kubectl get pods -A -o wide` at that moment."""
+def _wait_running(cluster: Cluster) -> str:
+    """Wait until the job's Redis and worker pod's containers run; `kubectl get colocatejobs,pods` then."""
     deadline = time.monotonic() + PODS_TIMEOUT
     while time.monotonic() < deadline:
         pods = _get(cluster, "pods", "-n", NAMESPACE)["items"]
         _fail_on_bad_containers(pods)
         workers = [p for p in pods if "metastore" not in p["metadata"]["name"]]
         statuses = [s for p in pods for s in p.get("status", {}).get("containerStatuses", [])]
-        if workers and len(statuses) >= 3 and all(s.get("ready") for s in statuses):
-            jobs = cluster.kubectl("get", "colocatejobs,pods", "-n", NAMESPACE, "-o", "wide").stdout
-            return jobs, cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
+        if workers and len(statuses) >= 3 and all("running" in s.get("state", {}) for s in statuses):
+            return cluster.kubectl("get", "colocatejobs,pods", "-n", NAMESPACE, "-o", "wide").stdout
         time.sleep(1)
     pods = cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
     raise SystemExit(f"demo: timed out after {PODS_TIMEOUT:.0f} s waiting for the job's containers:\n{pods}")
@@ -289,7 +289,7 @@ def _follow(cluster: Cluster, name: str, steps: int) -> tuple[dict[str, Any], di
     """Print `kubectl get colocatejobs` each time the job's status shows a new step, until the job ends;
     the pods as last seen before deletion, the trainer's log (read while its pod exists: the operator
     deletes it at the end) and the job's final status."""
-    seen: dict[str, Any] = {"pods": {}, "trainer_log": "", "trainer_done": False}
+    seen: dict[str, Any] = {"pods": {}, "trainer_log": "", "trainer_done": False, "pods_text": "(not seen)\n"}
     shown: Any = "none"
     printed = ""
     deadline = time.monotonic() + PODS_TIMEOUT + STEP_TIMEOUT * steps
@@ -324,6 +324,10 @@ def _observe(cluster: Cluster, seen: dict[str, Any], read_log: bool) -> int:
     How many worker pods there are."""
     pods = _get(cluster, "pods", "-n", NAMESPACE)["items"]
     _fail_on_bad_containers(pods)
+    statuses = [s for p in pods for s in p.get("status", {}).get("containerStatuses", [])]
+    done = [s.get("ready") or "terminated" in s.get("state", {}) for s in statuses]  # Ready, or done
+    if seen["pods_text"].startswith("(not") and len(done) >= 3 and all(done):
+        seen["pods_text"] = cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
     for pod in pods:
         name = pod["metadata"]["name"]
         trainer = container_status(pod, "trainer")
