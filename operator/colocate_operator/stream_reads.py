@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -210,6 +211,11 @@ class StreamReader:
         self.jobs: dict[str, JobStream] = {}
         self.xreads = 0
         self._turn = 0  # the stream read first rotates: a reply's byte bound favours none
+        # The next read, sent before the last reply is handed out when a stream had more (a backlog): the
+        # store serves it while the operator decodes, instead of the two in turn (issue 35: at 1000 jobs a
+        # step a second, 12-16 us of Redis and about 30 us of the operator per entry).
+        self._next: _Read | None = None
+        self.reads_ahead = 0
         self._joined = asyncio.Event()  # a job joined, or a catch-up was asked: read now
         self._quiet = False  # the last wait ran out with nothing new: the next one needs no read first
         self.waits_run_out = 0
@@ -262,42 +268,61 @@ class StreamReader:
             for follow in list(self.jobs.values()):
                 follow.let_go(error or ConnectionError("the reader stopped"))
             self.jobs.clear()
+            await self._drop_next()
             await self.bell.close()
             await self.client.aclose()
 
     async def _read_once(self) -> None:
-        quiet = self._quiet and not self._joined.is_set()
+        quiet = self._quiet and not self._joined.is_set() and self._next is None
         self._joined.clear()
         self._quiet = False
-        jobs = dict(self.jobs)
         if quiet:  # nothing came during the last wait, and no job joined since: wait again, read nothing
-            await self._wait_for_entries(jobs)
+            await self._wait_for_entries(dict(self.jobs))
             return
+        read, self._next = self._next, None
+        if read is None:
+            read = await self._send(dict(self.jobs), None)
+        try:
+            reply = await read.reply
+        except ResponseError:
+            if await self._let_go_of_broken_streams(read.jobs):
+                return
+            raise
+        self.xreads += 1
+        if any(full for _, _, _, full in reply) and self.jobs:
+            # A backlog: the next read goes out now, from where this reply ends, and the store serves it
+            # while this one is decoded. Jobs that joined meanwhile are in it; ones that left are not.
+            lasts = {
+                key: last
+                for key, (last, _, _, _) in zip(read.keys, reply, strict=True)
+                if self.jobs.get(key) is read.jobs[key]  # not a job that left and joined anew meanwhile
+            }
+            self._next = await self._send(dict(self.jobs), lasts)
+            self.reads_ahead += 1
+        more, brought = self._deliver(read.jobs, read.keys, reply, read.issued)
+        if more or self._next is not None:
+            return  # read again at once
+        if brought:
+            await asyncio.sleep(READ_BATCH_SECONDS)  # busy streams: a batch per interval
+            return
+        await self._wait_for_entries(dict(self.jobs))
+
+    async def _send(self, jobs: dict[str, JobStream], lasts: dict[str, Any] | None) -> _Read:
+        """Send the bounded read of `jobs`' streams (each from its last id, or from `lasts` where the reply
+        not yet handed out ends) without waiting for its reply."""
         for key, follow in jobs.items():
             await follow.trim.maybe(self.client, key, follow.job)
         count = read_count(len(jobs))
         keys = list(jobs)
         self._turn = (self._turn + 1) % max(1, len(keys))
         keys = keys[self._turn :] + keys[: self._turn]
+        lasts = lasts or {}
+        ids = [_text(lasts[key]) if key in lasts else jobs[key].last_id for key in keys]
         issued = time.time()
-        try:
-            reply = await self.script(
-                keys=keys,
-                args=[count, ENTRY_MAX_BYTES, ENTRY_MAX_FIELDS, READ_BYTES_MAX]
-                + [jobs[key].last_id for key in keys],
-            )
-        except ResponseError:
-            if await self._let_go_of_broken_streams(jobs):
-                return
-            raise
-        self.xreads += 1
-        more, brought = self._deliver(jobs, keys, reply, issued)
-        if more:
-            return  # read again at once
-        if brought:
-            await asyncio.sleep(READ_BATCH_SECONDS)  # busy streams: a batch per interval
-            return
-        await self._wait_for_entries(jobs)
+        args = [count, ENTRY_MAX_BYTES, ENTRY_MAX_FIELDS, READ_BYTES_MAX, *ids]
+        reply = asyncio.ensure_future(self.script(keys=keys, args=args))
+        await asyncio.sleep(0)  # the task sends the read now, before the caller decodes the last reply
+        return _Read(jobs, keys, issued, reply)
 
     async def _wait_for_entries(self, jobs: dict[str, JobStream]) -> None:
         """Until a stream has an entry after what was read, a job joins, a catch-up is asked, or
@@ -322,6 +347,14 @@ class StreamReader:
         waiting.result()  # raises what the wait failed with
         if self.bell.skips and time.monotonic() - began >= READ_BLOCK_MAX_SECONDS:
             self._ran_out(jobs, issued)
+
+    async def _drop_next(self) -> None:
+        read, self._next = self._next, None
+        if read is not None and not read.reply.done():
+            read.reply.cancel()
+        if read is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # the reader is stopping anyway
+                await read.reply
 
     def _ran_out(self, jobs: dict[str, JobStream], issued: float) -> None:
         self._quiet = True
@@ -371,6 +404,21 @@ class StreamReader:
             self.detach(follow)
             follow.let_go(ValueError(f"the step stream key of {follow.job} holds a {kind}, not a stream"))
         return bool(broken)
+
+
+@dataclass
+class _Read:
+    """A bounded read sent: the jobs and stream keys it covers (in the reply's order), when it was sent
+    (what was added before that and not left for lack of room is in the reply) and the reply to come."""
+
+    jobs: dict[str, JobStream]
+    keys: list[str]
+    issued: float
+    reply: asyncio.Future[Any]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:
