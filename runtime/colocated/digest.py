@@ -9,24 +9,30 @@ rank does not install are hashed from its mapping of the bucket instead, so only
 checked. That covers an entry with no parameter here, a part left to the exchange, and block-FP8 targets,
 whose installed bytes are a quantization of the entry.
 
-The sample. Chunks of `CHUNK_BYTES` (32) logical bytes, about one DRAM sector each. An entry of n bytes has
-period p = min(P, ceil(n / 32)), where P is the trainer's `COLOCATE_WEIGHT_DIGEST_PERIOD`, and windows of
-g = 32 p bytes. Step s reads the chunk at 32 ((s + crc32(name)) mod p) of every window. So each step reads
-1/P of every entry, and at least one chunk of every entry. Any P consecutive steps read every byte of every
-entry: that is the coverage bound. A corruption spanning g + 32 contiguous bytes of an entry (a whole
-parameter, a bucket region) is caught in the step it happens. A single flipped byte is caught within P steps.
+The sample. Chunks of `CHUNK_BYTES` (256) logical bytes: two 128-byte lines, so a step reads few places,
+each whole. An entry of n bytes has period p = min(P, ceil(n / 256)), where P is the trainer's
+`COLOCATE_WEIGHT_DIGEST_PERIOD`, and windows of g = 256 p bytes. Step s reads the chunk at
+256 ((s + crc32(name)) mod p) of every window. So each step reads 1/P of every entry, and at least one chunk
+of every entry. Any P consecutive steps read every byte of every entry: that is the coverage bound. A
+corruption spanning g + 256 contiguous bytes of an entry (256 KiB at P = 1024; a whole parameter, a bucket
+region) is caught in the step it happens. A single flipped byte is caught within P steps. The chunk travels
+in the manifest, so the reader samples whatever the trainer chose (any power of two up to 4096).
 
 The hash. Per entry, the low 16 bits of sum(byte * w(pos)), where w(pos) is an odd 24-bit multiplicative
 hash of the byte's logical position. A change of one byte always changes it (an odd w times a change below
 2^8 is never a multiple of 2^16), and so do bytes that moved, but for a 2^-16 chance per entry and step
-when many bytes change. The manifest carries the trainer's values (2 bytes an entry). The reader compares
-and names, in its ACK, the parameters that differ.
+when many bytes change. Sums are kept modulo 2^32 (all the digest needs). The manifest carries the trainer's
+values (2 bytes an entry). The reader compares and names, in its ACK, the parameters that differ.
 
-Cost. The tables (per chunk: its entry, its window and the few segments the window touches) are built once
-per layout. A step is one kernel launch (Triton, loading from absolute addresses, each storage's base given
-relative to one base tensor as in fastcopy.py; a second one only for entries whose segments do not start on
-chunk boundaries), a cumsum and two gathers. Then one device-to-host read of 8 bytes an entry. Without
-Triton, or on CPU, the same arithmetic runs in torch.
+Cost. The tables are built once per layout: per tile (up to `TILE` chunks of one entry, one kernel program,
+one row of the tile table), its entry's sampling, and either the one segment all its chunks lie in or the
+few segments its windows touch (searched per chunk, or per byte for entries whose segments do not start on
+chunk boundaries). A step is one replay of a CUDA graph (digest_launch.py): the step number and the
+buckets' bases copied up, the Triton kernel (loading from absolute addresses, each storage's base given
+relative to one base tensor as in fastcopy.py, one atomic add per tile), the sums copied down into pinned
+memory. On an H200-class GPU a Qwen3-30B-A3B rank's sample (18,867 entries, 57 MB of 61 GB at P = 1024)
+takes about 0.1 ms of device time and 35 us of host time per side (bench/digest_bench.py). Without Triton,
+or on CPU, the same arithmetic runs in torch.
 """
 
 from __future__ import annotations
@@ -43,16 +49,17 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from colocate_runtime.colocated import strided
+from colocate_runtime.colocated import digest_launch, strided
 from colocate_runtime.colocated.buckets import PlacedEntry
 from colocate_runtime.colocated.views import dtype_name, indexed
 from colocate_runtime.shards import DTYPE_BYTES, Box, TensorShard
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 32
+CHUNK_BYTES = 256  # two 128-byte lines: a step reads ~0.1 % of the bytes in as few places as it can
+MAX_CHUNK_BYTES = 4096
 DIGEST_DTYPE = "<u2"  # per entry on the wire: 2 bytes (18,867 entries of Qwen3-30B-A3B: 37 KB a step)
-BLOCK = 32  # chunks per program
+TILE = 4  # chunks per kernel program (all of one entry): one atomic add each (fastest on an H200)
 _W_MUL = 1540483477  # < 2**31: (pos mod 2**31) * _W_MUL stays inside int64
 
 Bucket = Callable[[int], torch.Tensor]  # a bucket's index -> this step's flat uint8 tensor of it
@@ -76,6 +83,11 @@ def _kernel_module() -> ModuleType | None:
         log.info("digest kernel unavailable (%s); hashing the sample in torch", err)
         return None
     return digest_kernel
+
+
+def chunk_supported(chunk: int) -> bool:
+    """A chunk this side can sample: the kernel's blocks need a power of two."""
+    return 0 < chunk <= MAX_CHUNK_BYTES and chunk & (chunk - 1) == 0
 
 
 def _interpreted() -> bool:
@@ -166,86 +178,75 @@ class SampleProgram:
         device: torch.device,
         *,
         chunk: int = CHUNK_BYTES,
+        tile: int = TILE,
         kernel: bool = True,
     ) -> None:
-        if period < 1 or chunk < 1:
-            raise ValueError(f"digest period {period} and chunk {chunk} must be positive")
+        if period < 1 or tile < 1 or not chunk_supported(chunk):
+            raise ValueError(
+                f"digest period {period} and tile {tile} must be positive, chunk {chunk} a power of two "
+                f"up to {MAX_CHUNK_BYTES}"
+            )
         device = indexed(device)  # type: ignore[assignment]  (compared with the tensors' devices below)
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.names = tuple(e.name for e in entries)
-        self.period, self.chunk, self.device = period, chunk, device
+        self.period, self.chunk, self.tile, self.device = period, chunk, tile, device
         self.buckets = tuple(buckets)
         self.fixed = tuple(fixed)  # uint8 over each storage: keeps them alive, and the torch path reads them
-        tables = _tables([e.nbytes for e in entries], [e.name for e in entries], segments, period, chunk)
+        tables = _tables(
+            [e.nbytes for e in entries], [e.name for e in entries], segments, period, chunk, tile
+        )
         self.nchunks = int(tables["chunk_entry"].numel())
-        self.aligned = int(tables["aligned"][0])  # chunks that lie in one segment each (the fast launch)
+        self.ntiles = int(tables["tile_entry"].numel())
+        self.aligned = int(tables["aligned"][0])  # tiles of entries cut on chunk boundaries (the fast launch)
         self.sampled_bytes = self.nchunks * chunk  # at most, a step
         # On CPU only where Triton is interpreted (the tests check the kernel against the torch path there).
-        self._kernel = _kernel_module() if kernel and (device.type == "cuda" or _interpreted()) else None
+        kernel_module = _kernel_module() if kernel and (device.type == "cuda" or _interpreted()) else None
         if any(t.device != device for t in self.fixed):
-            self._kernel = None
-        self.t = {k: v.to(device) for k, v in tables.items()}
-        self._out = torch.zeros(self.nchunks + 1, dtype=torch.int64, device=device)
-        self._cs = torch.empty_like(self._out)
-        if self._kernel is not None:
-            self._base = torch.empty(16, dtype=torch.uint8, device=device)
-            base = self._base.data_ptr()
-            deltas = [0] * len(self.buckets) + [t.data_ptr() - base for t in self.fixed]
-            self._delta = torch.tensor(deltas, dtype=torch.int64, device=device)
-            pinned = device.type == "cuda"
-            self._host = torch.zeros(max(1, len(self.buckets)), dtype=torch.int64, pin_memory=pinned)
+            kernel_module = None
+        self._tables = tables  # host copies; the torch path moves what it reads to the device once, if used
+        self._kernel: digest_launch.KernelLaunch | None = None
+        if kernel_module is not None:
+            self._kernel = digest_launch.KernelLaunch(
+                kernel_module,
+                tables,
+                (len(entries), self.ntiles, self.aligned),
+                len(self.buckets),
+                self.fixed,
+                device,
+                {"CHUNK": chunk, "TILE": tile},
+            )
+        self._torch_only = False  # the tests compare both paths on one program
+        self._out: torch.Tensor | None = None  # the torch path's sums of the last launch
         # What the program keeps allocated on the device while its layout lives (a step allocates nothing
         # that outlives it): what a check of the process's memory after a step must allow for.
         self.device_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
 
     def launch(self, step: int, bucket: Bucket) -> torch.Tensor:
-        """Enqueue step `step`'s per-entry sums (int64, on the device) on the current stream. The buckets
-        must stay mapped until the work is done (the caller synchronizes before it closes them)."""
-        if self.nchunks:
-            if self._kernel is not None:
-                self._launch_kernel(step, bucket)
-            else:
-                self._out[1:] = self._torch_sums(step, bucket)
-        torch.cumsum(self._out, 0, out=self._cs)
-        return self._cs.index_select(0, self.t["ends"]) - self._cs.index_select(0, self.t["starts"])
+        """Enqueue step `step`'s per-entry sums (modulo 2**32, as int32, on the device) on the current
+        stream. The buckets must stay mapped until the work is done (the caller synchronizes before it
+        closes them)."""
+        if self._kernel is None or self._torch_only:
+            self._out = self._torch_sums(step, bucket)
+            return self._out
+        self._kernel.launch(step, [bucket(i).data_ptr() for i in self.buckets])
+        return self._kernel.out
 
-    def _launch_kernel(self, step: int, bucket: Bucket) -> None:
-        nb = len(self.buckets)
-        if nb:
-            base = self._base.data_ptr()
-            self._host[:nb] = torch.tensor([bucket(i).data_ptr() - base for i in self.buckets])
-            self._delta[:nb].copy_(self._host[:nb], non_blocking=True)
-        t = self.t
-        assert self._kernel is not None
-        for row0, end, per_byte in ((0, self.aligned, False), (self.aligned, self.nchunks, True)):
-            if end > row0:
-                self._kernel.digest_chunks[(triton_blocks(end - row0),)](
-                    self._base,
-                    self._delta,
-                    t["seg_start"],
-                    t["seg_slot"],
-                    t["seg_addr"],
-                    t["chunk_entry"],
-                    t["chunk_q0"],
-                    t["chunk_lo"],
-                    t["chunk_hi"],
-                    t["chunk_depth"],
-                    t["ent_period"],
-                    t["ent_salt"],
-                    t["ent_nbytes"],
-                    self._out,
-                    row0,
-                    end,
-                    step,
-                    CHUNK=self.chunk,
-                    BLOCK=BLOCK,
-                    PER_BYTE=per_byte,
-                    num_warps=4,
-                )
+    def finish(self, sums: torch.Tensor) -> bytes:
+        """The per-entry digests as the manifest carries them: little-endian uint16 each. The kernel's
+        come back with its launch (into pinned memory): this waits for them."""
+        if self._kernel is not None and sums is self._kernel.out:
+            host = self._kernel.read().numpy()
+        else:
+            host = sums.cpu().numpy()
+        return (host & 0xFFFF).astype(DIGEST_DTYPE).tobytes()
+
+    @functools.cached_property
+    def _ref(self) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in self._tables.items() if k not in ("aligned",)}
 
     def _torch_sums(self, step: int, bucket: Bucket) -> torch.Tensor:
         """The kernel's arithmetic in torch: the reference, and the path without Triton."""
-        t = self.t
+        t = self._ref
         ce = t["chunk_entry"].long()
         q = t["chunk_q0"] + ((t["ent_salt"][ce] + step) % t["ent_period"][ce]) * self.chunk
         x = q[:, None] + torch.arange(self.chunk, device=self.device)[None, :]
@@ -259,7 +260,11 @@ class SampleProgram:
         values = torch.zeros(flat_x.numel(), dtype=torch.int64, device=self.device)
         values[idx] = self._gather(slot[idx], offset[idx], bucket).to(torch.int64)
         w = (((flat_x & 0x7FFFFFFF) * _W_MUL) >> 8) & 0xFFFFFF | 1
-        return (values * w).view(-1, self.chunk).sum(1)
+        per_chunk = (values * w).view(-1, self.chunk).sum(1)
+        sums = torch.zeros(len(self.names), dtype=torch.int64, device=self.device).index_add_(
+            0, ce, per_chunk
+        )
+        return ((sums & 0xFFFFFFFF) - ((sums & 0x80000000) << 1)).to(torch.int32)  # modulo 2**32, as int32
 
     def _gather(self, slot: torch.Tensor, offset: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         order = torch.argsort(slot, stable=True)
@@ -275,11 +280,6 @@ class SampleProgram:
             out[order] = torch.cat(parts)
         return out
 
-    @staticmethod
-    def finish(sums: torch.Tensor) -> bytes:
-        """The per-entry digests as the manifest carries them: little-endian uint16 each (a device read)."""
-        return (sums.cpu().numpy() & 0xFFFF).astype(DIGEST_DTYPE).tobytes()
-
 
 def _searchsorted(sorted_: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """torch.searchsorted(right=True); numpy's on CPU, where torch's splits even a few hundred values over
@@ -289,15 +289,17 @@ def _searchsorted(sorted_: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.searchsorted(sorted_.numpy(), values.numpy(), side="right"))
 
 
-def triton_blocks(nchunks: int) -> int:
-    return -(-nchunks // BLOCK)
-
-
 def _tables(
-    nbytes: Sequence[int], names: Sequence[str], segments: Sequence[Segments], period: int, chunk: int
+    nbytes: Sequence[int],
+    names: Sequence[str],
+    segments: Sequence[Segments],
+    period: int,
+    chunk: int,
+    tile: int,
 ) -> dict[str, torch.Tensor]:
-    """Per entry, per segment and per chunk tables (CPU, int64 unless said), all vectorised. Chunks are in
-    entry order, the entries whose segments all start on a chunk boundary first (`aligned` of them)."""
+    """Per entry, per segment, per chunk and per tile tables (CPU, int64 unless said), all vectorised.
+    Chunks are in entry order, the entries whose segments all start on a chunk boundary first; a tile is
+    up to `tile` consecutive chunks of one entry (`aligned`: the tiles of those first entries)."""
     i64 = torch.int64
     n = torch.tensor(list(nbytes), dtype=i64)
     p = torch.clamp(torch.minimum(torch.full_like(n, period), (n + chunk - 1) // chunk), min=1)
@@ -326,33 +328,88 @@ def _tables(
     lo = torch.searchsorted(seg_gstart, gq, right=True) - 1
     hi = torch.searchsorted(seg_gstart, last, right=True) - 1
     depth = torch.ceil(torch.log2((hi - lo + 1).clamp(min=1).double())).to(torch.int32)
+    seg_slot = torch.tensor([x for s in segments for x in s.slot], dtype=i64)
+    seg_addr = torch.tensor([x for s in segments for x in s.addr], dtype=i64)
+    tiles = _tile_tables(
+        per_chunk,
+        order,
+        first,
+        {"lo": lo, "hi": hi, "depth": depth, "q0": q0},
+        {"period": p, "salt": salt, "nbytes": n},
+        {"start": seg_start, "slot": seg_slot, "addr": seg_addr},
+        tile,
+    )
+    aligned_tiles = (-(-per_entry[odd == 0] // tile)).sum().reshape(1)
     return {
+        **tiles,
         "ent_nbytes": n,
         "ent_period": p,
         "ent_salt": salt,
         "ent_base": ent_base,
         "seg_start": seg_start,
         "seg_gstart": seg_gstart,
-        "seg_slot": torch.tensor([x for s in segments for x in s.slot], dtype=i64),
-        "seg_addr": torch.tensor([x for s in segments for x in s.addr], dtype=i64),
+        "seg_slot": seg_slot,
+        "seg_addr": seg_addr,
         "chunk_entry": chunk_entry.to(torch.int32),
         "chunk_q0": q0,
         "chunk_lo": lo.to(torch.int32),
         "chunk_hi": hi.to(torch.int32),
-        "chunk_depth": depth,
-        "starts": starts,  # per entry, its chunks are rows [starts, ends): its sum is cs[ends] - cs[starts]
-        "ends": starts + per_entry,
-        "aligned": per_entry[odd == 0].sum().reshape(1),
+        "aligned": aligned_tiles,
+    }
+
+
+def _tile_tables(
+    per_chunk: torch.Tensor,
+    order: torch.Tensor,
+    first: torch.Tensor,
+    chunk: dict[str, torch.Tensor],
+    entry: dict[str, torch.Tensor],
+    seg: dict[str, torch.Tensor],
+    tile: int,
+) -> dict[str, torch.Tensor]:
+    """Tiles of up to `tile` chunk rows of one entry, in row order. Each carries what its kernel program
+    needs at once (one round of loads): its entry and that entry's sampling, its first window's logical
+    byte, and its rows' deepest segment search, or, where all its rows lie in one segment (depth -1), that
+    segment's slot and how far its storage bytes sit from its logical ones."""
+    i64 = torch.int64
+    per_tile = -(-per_chunk // tile)  # per entry in `order`
+    owner = torch.repeat_interleave(torch.arange(order.numel(), dtype=i64), per_tile)
+    j = torch.arange(owner.numel(), dtype=i64) - (torch.cumsum(per_tile, 0) - per_tile)[owner]
+    row0 = first[owner] + j * tile
+    rows = torch.minimum(torch.full_like(row0, tile), per_chunk[owner] - j * tile)
+    of_row = torch.repeat_interleave(torch.arange(owner.numel(), dtype=i64), rows)
+    depth = chunk["depth"]
+    deepest = torch.zeros(owner.numel(), dtype=torch.int32).scatter_reduce(0, of_row, depth, "amax")
+    lo = chunk["lo"][row0]
+    one = lo == chunk["hi"][row0 + rows - 1]
+    ent = order[owner]
+    return {
+        "tile_entry": ent.to(torch.int32),
+        "tile_row0": row0,
+        "tile_rows": rows.to(torch.int32),
+        "tile_depth": torch.where(one, torch.full_like(deepest, -1), deepest),
+        "tile_q0": chunk["q0"][row0],
+        "tile_period": entry["period"][ent],
+        "tile_salt": entry["salt"][ent],
+        "tile_nbytes": entry["nbytes"][ent],
+        "tile_slot": seg["slot"][lo],
+        "tile_moved": seg["addr"][lo] - seg["start"][lo],
     }
 
 
 def trainer_program(
-    entries: Sequence[PlacedEntry], buckets: Sequence[int], period: int, device: torch.device
+    entries: Sequence[PlacedEntry],
+    buckets: Sequence[int],
+    period: int,
+    device: torch.device,
+    *,
+    chunk: int = CHUNK_BYTES,
+    tile: int = TILE,
 ) -> SampleProgram:
     """The trainer's sample: every entry where it lies in the step's buckets."""
     slot = {index: s for s, index in enumerate(buckets)}
     segments = [source_segments(e, slot[e.bucket]) for e in entries]
-    return SampleProgram(entries, segments, buckets, (), period, device)
+    return SampleProgram(entries, segments, buckets, (), period, device, chunk=chunk, tile=tile)
 
 
 def reader_program(
@@ -363,6 +420,9 @@ def reader_program(
     quantized: frozenset[str],
     period: int,
     device: torch.device,
+    *,
+    chunk: int = CHUNK_BYTES,
+    tile: int = TILE,
 ) -> SampleProgram:
     """The reader's sample: every entry where this rank installed it (`quantized`: targets quantized on the
     copy, hashed at the bucket), the rest in the step's buckets."""
@@ -383,7 +443,7 @@ def reader_program(
         source = source_segments(e, slot[e.bucket])
         target = None if e.name in quantized else targets.get(e.name)
         segments.append(installed_segments(e, target, target_shards.get(e.name), source, storage))
-    return SampleProgram(entries, segments, buckets, fixed, period, device)
+    return SampleProgram(entries, segments, buckets, fixed, period, device, chunk=chunk, tile=tile)
 
 
 def mismatches(names: Sequence[str], mine: bytes, theirs: bytes) -> list[str]:
@@ -402,7 +462,7 @@ def warm_up(device: torch.device) -> None:
     entry = PlacedEntry("warm-up", "uint8", (4096,), 0, 0, 4096)
     flat = torch.arange(4096, device=device).to(torch.uint8)
     program = trainer_program([entry], [0], 4, device)
-    got = program.launch(1, lambda _: flat)
-    program._kernel = None
+    got = program.launch(1, lambda _: flat).clone()
+    program._torch_only = True
     if not torch.equal(got, program.launch(1, lambda _: flat)):
         raise RuntimeError("the digest kernel disagreed with the torch path in its warm-up")

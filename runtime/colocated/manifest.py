@@ -371,7 +371,8 @@ def _digest(raw: Any, entries: int) -> WeightDigest | None:
     period, chunk, sums = raw.get("period"), raw.get("chunk"), raw.get("sums")
     if type(period) is not int or type(chunk) is not int or not isinstance(sums, bytes):
         raise ManifestError("manifest digest needs integers period and chunk and bytes sums")
-    if not 1 <= period <= 1 << 20 or chunk not in (8, 16, 32, 64, 128) or len(sums) != 2 * entries:
+    # chunk: a power of two the digest kernel can read (digest.chunk_supported)
+    if not 1 <= period <= 1 << 20 or not 0 < chunk <= 4096 or chunk & (chunk - 1) or len(sums) != 2 * entries:
         raise ManifestError(
             f"manifest digest (period {period}, chunk {chunk}, {len(sums)} bytes) does not fit its "
             f"{entries} entries"

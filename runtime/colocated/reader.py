@@ -523,8 +523,8 @@ class WeightReader:
         t2 = time.perf_counter()
         wrong: list[str] = []
         if copied.sums is not None and manifest.digest is not None:
-            names = copied.program.digests[manifest.digest.period].names  # the layout's, not built per step
-            wrong = digest.mismatches(names, digest.SampleProgram.finish(copied.sums), manifest.digest.sums)
+            sample = copied.program.digests[manifest.digest.period, manifest.digest.chunk]  # the layout's
+            wrong = digest.mismatches(sample.names, sample.finish(copied.sums), manifest.digest.sums)
             seconds["digest"] = copied.digest_s + time.perf_counter() - t2
         t2 = time.perf_counter()
         mismatches = self._verify(manifest) if self.settings.verify_checksums and manifest.checksums else []
@@ -587,13 +587,7 @@ class WeightReader:
         spec = manifest.digest
         if spec is None:
             return None
-        if spec.chunk != digest.CHUNK_BYTES:
-            raise StepFailed(
-                f"step {manifest.step}: the trainer's digest reads {spec.chunk}-byte chunks, this reader "
-                f"{digest.CHUNK_BYTES}",
-                step=manifest.step,
-            )
-        sample = program.digests.get(spec.period)
+        sample = program.digests.get((spec.period, spec.chunk))  # the trainer's sample, whatever its version
         if sample is None:
             device = getattr(self.importer, "device", None)
             quantized = frozenset(
@@ -607,8 +601,9 @@ class WeightReader:
                 quantized,
                 spec.period,
                 device if isinstance(device, torch.device) else torch.device("cpu"),
+                chunk=spec.chunk,
             )
-            program.digests = {spec.period: sample}
+            program.digests = {(spec.period, spec.chunk): sample}
         return sample.launch(manifest.step, scope.bucket)
 
     def _hash_of(self, manifest: Manifest) -> str:

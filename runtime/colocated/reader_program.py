@@ -49,7 +49,7 @@ class CopyProgram:
     gather: GatherProgram | None = None  # an in-place step: every local copy (gather.py)
     fp8: GatherProgram | None = None  # a packed step's block-FP8 targets, quantized while copied (gather.py)
     # The weights check's sample of this layout, by the trainer's period (digest.py): built at its first step.
-    digests: dict[int, SampleProgram] = field(default_factory=dict)
+    digests: dict[tuple[int, int], SampleProgram] = field(default_factory=dict)  # (period, chunk)
 
     @torch.no_grad()
     def copy_bucket(self, index: int, bucket: Bucket) -> None:

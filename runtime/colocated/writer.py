@@ -276,8 +276,8 @@ class WeightWriter:
                     self.exporter.export(b)
             self.exporter.synchronize()
             checked = None
-            if weights is not None:
-                per_entry = digest.SampleProgram.finish(weights)
+            if weights is not None and self._digest is not None:  # the program that launched it
+                per_entry = self._digest[2].finish(weights)
                 checked = WeightDigest(self.settings.digest_period, digest.CHUNK_BYTES, per_entry)
             t_pack = time.perf_counter()
             version = weight_version if weight_version is not None else str(step)

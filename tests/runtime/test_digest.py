@@ -52,12 +52,28 @@ class Layout:
     quantized: frozenset[str]
     storages: list[torch.Tensor]  # every byte the reader reads: the targets' storages
 
-    def trainer(self, period: int, device: torch.device = CPU) -> digest.SampleProgram:
-        return digest.trainer_program(self.entries, sorted(self.buckets), period, device)
+    # The layouts are small: 32-byte chunks give their entries several windows each (the default, 256,
+    # one window to most, and every byte each step).
+    def trainer(
+        self, period: int, device: torch.device = CPU, tile: int = digest.TILE, chunk: int = 32
+    ) -> digest.SampleProgram:
+        return digest.trainer_program(
+            self.entries, sorted(self.buckets), period, device, chunk=chunk, tile=tile
+        )
 
-    def reader(self, period: int, device: torch.device = CPU) -> digest.SampleProgram:
+    def reader(
+        self, period: int, device: torch.device = CPU, tile: int = digest.TILE, chunk: int = 32
+    ) -> digest.SampleProgram:
         return digest.reader_program(
-            self.entries, sorted(self.buckets), self.targets, self.shards, self.quantized, period, device
+            self.entries,
+            sorted(self.buckets),
+            self.targets,
+            self.shards,
+            self.quantized,
+            period,
+            device,
+            chunk=chunk,
+            tile=tile,
         )
 
     def install(self) -> None:
@@ -171,24 +187,43 @@ def test_every_byte_is_checked_once_within_one_period(kind: str) -> None:
 
 
 def kernel_matches_torch() -> None:
-    """Run under TRITON_INTERPRET=1 (CPU) or on CUDA: the kernel's sums equal the torch path's."""
+    """Run under TRITON_INTERPRET=1 (CPU) or on CUDA: the kernel's sums equal the torch path's, in each
+    kind of tile (one segment, a search per chunk, a search per byte), whole entries and split ones."""
     device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    kinds: set[str] = set()
     for make in LAYOUTS.values():
         layout = make(device)
-        for period in (1, 3, 1024):
-            reader = layout.reader(period, device)
+        # tile 2: entries split; the default chunk too
+        for period, tile, chunk in (
+            (1, 2, 32),
+            (3, digest.TILE, 32),
+            (1024, digest.TILE, digest.CHUNK_BYTES),
+        ):
+            reader = layout.reader(period, device, tile, chunk)
             if make is _packed:  # both launches: segments on chunk boundaries, and not ("w", "down")
-                assert 0 < reader.aligned < reader.nchunks
-            for program in (layout.trainer(period, device), reader):
+                assert 0 < reader.aligned < reader.ntiles
+            for program in (layout.trainer(period, device, tile, chunk), reader):
                 assert program._kernel is not None
+                kinds |= _tile_kinds(program)
                 for step in (1, 2, 17):
                     got = program.launch(step, layout.buckets.__getitem__).clone()
-                    program._kernel = None
+                    program._torch_only = True
                     want = program.launch(step, layout.buckets.__getitem__)
-                    program._kernel = digest._kernel_module()
-                    assert torch.equal(got, want), (period, step, got, want)
+                    program._torch_only = False
+                    assert torch.equal(got, want), (period, tile, step, got, want)
+    assert kinds == {"one segment", "per chunk", "per byte", "split entry"}, kinds
 
 
+def _tile_kinds(program: digest.SampleProgram) -> set[str]:
+    depth = program._tables["tile_depth"]
+    entries = program._tables["tile_entry"]
+    kinds = {"one segment"} if bool((depth[: program.aligned] < 0).any()) else set()
+    kinds |= {"per chunk"} if bool((depth[: program.aligned] >= 0).any()) else set()
+    kinds |= {"per byte"} if program.ntiles > program.aligned else set()
+    return kinds | ({"split entry"} if entries.unique().numel() < entries.numel() else set())
+
+
+@pytest.mark.timeout(300)  # the interpreter runs each program in Python: 90 s on a loaded 2-core machine
 def test_the_kernel_computes_what_the_torch_path_does_interpreted() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA: test_digest_gpu.py checks the kernel on the GPU")
@@ -199,7 +234,7 @@ def test_the_kernel_computes_what_the_torch_path_does_interpreted() -> None:
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=240,
         cwd=Path(__file__).resolve().parents[2],
     )
     assert run.returncode == 0 and "kernel ok" in run.stdout, run.stderr[-3000:]
@@ -326,7 +361,16 @@ def test_the_manifest_carries_the_digest_and_refuses_one_that_does_not_fit() -> 
     m = dataclasses.replace(_manifest(plan.entries, check), buckets=buckets)
     assert decode_manifest(encode_manifest(m)).digest == check
     assert decode_manifest(encode_manifest(dataclasses.replace(m, digest=None))).digest is None
-    for bad in (WeightDigest(16, 32, bytes(8)), WeightDigest(0, 32, bytes(4)), WeightDigest(16, 3, bytes(4))):
+    for chunk in (8, digest.CHUNK_BYTES, digest.MAX_CHUNK_BYTES):  # the trainer's chunk, whatever it is
+        other = WeightDigest(16, chunk, bytes(4))
+        assert decode_manifest(encode_manifest(dataclasses.replace(m, digest=other))).digest == other
+    for bad in (
+        WeightDigest(16, 32, bytes(8)),
+        WeightDigest(0, 32, bytes(4)),
+        WeightDigest(16, 3, bytes(4)),
+        WeightDigest(16, 48, bytes(4)),
+        WeightDigest(16, 2 * digest.MAX_CHUNK_BYTES, bytes(4)),
+    ):
         with pytest.raises(ManifestError, match="digest"):
             decode_manifest(encode_manifest(dataclasses.replace(m, digest=bad)))
 
