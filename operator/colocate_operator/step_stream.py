@@ -27,6 +27,7 @@ from colocate_runtime.contract.events import (
     STREAM_MAXLEN,
     EventError,
     decode,
+    decode_joined,
 )
 
 log = logging.getLogger("colocate_operator.steps")
@@ -109,17 +110,18 @@ class JobStream:
         return f"{self.namespace}/{self.name}"
 
     def consume(self, entries: list[Any]) -> bool:
-        """Fold entries (`[entry_id, [key, value, ...]]` each, as a raw XREAD reply holds them) into the
-        tracker; True when its writer has news (a step boundary, a new phase, something to report), so that
-        entries changing nothing it writes wake no task. The stream is untrusted input: whatever one entry
-        raises, it is skipped and counted, never fatal."""
+        """Fold entries (`[entry_id, [key, value, ...]]` each, as a raw XREAD reply holds them, or
+        `[entry_id, keys and values joined by NUL]` as the bounded read sends most) into the tracker; True
+        when its writer has news (a step boundary, a new phase, something to report), so that entries
+        changing nothing it writes wake no task. The stream is untrusted input: whatever one entry raises, it
+        is skipped and counted, never fatal."""
         self.trim.unread += len(entries)
         tracker = self.tracker
         mark = (self.boundaries, tracker.current_phase, self.skips.count, tracker.dropped)
         for entry_id, fields in entries:
             self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             try:
-                event = decode(fields)
+                event = decode_joined(fields) if type(fields) is bytes else decode(fields)
                 before = (tracker.last_completed_step, len(tracker.recent))
                 if tracker.observe(event):
                     self.boundaries += 1

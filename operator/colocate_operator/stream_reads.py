@@ -60,11 +60,16 @@ POLL_SECONDS = 1.0  # where the store refuses CLIENT REPLY (an ACL), new entries
 
 # The bounded read (EVALSHA): per stream, the entries after its last id (at most ARGV[1]); an entry over
 # ARGV[2] bytes or ARGV[3] fields is left in the store and only its id and size come back; the kept ones stop
-# at ARGV[4] bytes in all. Per stream: {last id looked at, kept entries (as XRANGE has them), skipped
-# {id, bytes} pairs, 1 when more may follow at once}. Needs Redis >= 6.2 (exclusive XRANGE ids).
+# at ARGV[4] bytes in all. Per stream: {last id looked at, kept entries, skipped {id, bytes} pairs, 1 when
+# more may follow at once}. A kept entry is {id, its keys and values joined by NUL} where none of them holds
+# a NUL, else as XRANGE has it: the operator parses one string an entry, not 34 (events.decode_joined), and
+# the script measures an entry by its joined length, not field by field. In one process, 1000 jobs' entries
+# (issue 35): 24 us of operator CPU an entry instead of 48, 16 us of Redis's instead of 18 (looking for a NUL
+# with gsub instead cost 20). Needs Redis >= 6.2 (exclusive XRANGE ids).
 STREAM_READ_SCRIPT = """
 local count, entry_max, fields_max = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget = tonumber(ARGV[4])
+local concat, find = table.concat, string.find
 local out = {}
 for i, key in ipairs(KEYS) do
   local last, kept, skipped, more = ARGV[4 + i], {}, {}, 0
@@ -73,8 +78,9 @@ for i, key in ipairs(KEYS) do
   else
     local entries = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', count)
     for _, entry in ipairs(entries) do
-      local fields, size = entry[2], 0
-      for _, value in ipairs(fields) do size = size + #value end
+      local fields = entry[2]
+      local joined = concat(fields, '\\0')
+      local size = #joined - #fields + 1
       if size > entry_max or #fields > 2 * fields_max then
         skipped[#skipped + 1] = {entry[1], size}
       elseif size > budget then
@@ -82,7 +88,7 @@ for i, key in ipairs(KEYS) do
         break
       else
         budget = budget - size
-        kept[#kept + 1] = entry
+        kept[#kept + 1] = find(concat(fields), '\\0', 1, true) and entry or {entry[1], joined}
       end
       last = entry[1]
     end

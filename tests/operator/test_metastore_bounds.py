@@ -25,6 +25,7 @@ from colocate_operator.decide import CheckpointWrite
 from colocate_operator.observed import CheckpointState, Observed, PodState
 from colocate_operator.step_stream import ENTRY_MAX_BYTES
 from colocate_operator.stream_reads import READ_BYTES_MAX, STREAM_READ_SCRIPT, Bell
+from colocate_runtime.contract import events as ev
 from colocate_runtime.contract.checkpoint import CheckpointKeys
 from colocate_runtime.contract.events import ENTRY_MAX_FIELDS, StepEvent, decode, xadd
 from tests.operator import factories
@@ -40,9 +41,21 @@ LATE_WRITER = (
 
 def bounded_read(client: redis.Redis, last: str = "0-0", count: int = 100) -> list[Any]:
     ((last_id, kept, skipped, more),) = client.eval(
-        STREAM_READ_SCRIPT, 1, KEY, count, ENTRY_MAX_BYTES, ENTRY_MAX_FIELDS, READ_BYTES_MAX, last
+        STREAM_READ_SCRIPT,
+        1,
+        KEY,
+        count,
+        ENTRY_MAX_BYTES,
+        ENTRY_MAX_FIELDS,
+        READ_BYTES_MAX,
+        last,
     )
     return [last_id, kept, skipped, more]
+
+
+def fields_of(kept: bytes | list[bytes]) -> list[bytes]:
+    """A kept entry's keys and values (the read joins them by NUL where none holds one)."""
+    return kept.split(b"\0") if isinstance(kept, bytes) else kept
 
 
 def event(step: int) -> StepEvent:
@@ -69,12 +82,40 @@ def test_the_bounded_read_leaves_huge_entries_in_the_store_and_moves_past_them(
     finally:
         tracemalloc.stop()
     assert peak < 2**20, f"reading past {3 * HUGE} bytes of entries took {peak / 2**20:.1f} MiB"
-    assert [decode(fields).step for _, fields in kept] == [1, 2]
+    assert [decode(fields_of(fields)).step for _, fields in kept] == [1, 2]
     many_fields = sum(len(f"k{i}") + 1 for i in range(ENTRY_MAX_FIELDS + 1))
     assert [int(size) for _, size in skipped] == [HUGE + len("blob")] * 3 + [many_fields]
     assert last_id == (last_written.encode() if isinstance(last_written, str) else last_written)
     assert more == 0
     assert bounded_read(reader, last_id.decode()) == [last_id, [], [], 0], "nothing is read twice"
+
+
+def test_entries_come_joined_unless_a_field_holds_a_nul_and_decode_alike(redis_server: RedisServer) -> None:
+    """The read joins an entry's keys and values by NUL where none holds one (one string for the operator to
+    parse); an entry holding one comes as XRANGE has it. Either decodes, or is refused, as `decode` does the
+    entry's own fields."""
+    writer = redis_server.client()
+    plain = ev.encode(event(1))
+    written = [
+        plain,
+        {**plain, "gpu": "GPU-\0-a"},  # a NUL: not joined, and still a step event
+        {**plain, "step": "\0"},  # a NUL: not joined, refused as a malformed number
+        {**plain, "error": "e" * 1500},  # joined, refused for its length
+        {**plain, "gpu": "GPU-\u00e9"},  # joined, not ASCII
+    ]
+    for fields in written:
+        writer.xadd(KEY, fields)
+    _, kept, _, _ = bounded_read(writer)
+    assert [isinstance(fields, bytes) for _, fields in kept] == [True, False, False, True, True]
+
+    def outcome(fields: dict[str, str] | bytes | list[bytes]) -> object:
+        try:
+            return ev.decode_joined(fields) if isinstance(fields, bytes) else ev.decode(fields)  # type: ignore[arg-type]
+        except ev.EventError as e:
+            return str(e)
+
+    assert [outcome(fields) for _, fields in kept] == [outcome(fields) for fields in written]
+    assert isinstance(outcome(kept[1][1]), ev.StepEvent) and isinstance(outcome(kept[3][1]), str)
 
 
 def test_a_reply_stops_at_its_byte_bound_and_says_more_follows(redis_server: RedisServer) -> None:
@@ -89,7 +130,7 @@ def test_a_reply_stops_at_its_byte_bound_and_says_more_follows(redis_server: Red
     read, last, rounds = 0, "0-0", 0
     while True:
         last_id, kept, skipped, more = bounded_read(writer, last, count=1000)
-        assert sum(len(f) for _, fields in kept for f in fields) <= READ_BYTES_MAX and not skipped
+        assert sum(len(f) for _, fields in kept for f in fields_of(fields)) <= READ_BYTES_MAX and not skipped
         read, last, rounds = read + len(kept), last_id.decode(), rounds + 1
         if not more:
             break
