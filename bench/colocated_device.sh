@@ -68,7 +68,7 @@ run_all_gpu_tests() {
     # Every GPU test of the repository (colocated CUDA IPC, p2p over NCCL, the reshard exchange).
     NCCL_NVLS_ENABLE=0 python3 -m pytest tests/runtime/test_colocated_gpu.py tests/runtime/test_one_pass_gpu.py \
         tests/runtime/test_p2p_exec.py tests/runtime/test_colocated_release.py \
-        tests/runtime/test_colocated_exchange.py -m gpu -v -p no:cacheprovider
+        tests/runtime/test_colocated_exchange.py tests/runtime/test_digest_gpu.py -m gpu -v -p no:cacheprovider
 }
 
 setup_sglang_gpu() {

@@ -21,7 +21,9 @@ what it carries). `--device cpu` runs the same driver against the CPU conformanc
 parameter addresses unchanged across release and resume; after the last step SGLang's own `load_weights` of
 the same weights (checkpoint names) leaves every parameter bitwise as our update did and greedy output equal;
 a step that fails (one tensor of the wrong shape) leaves the server answering, paused, and the next step
-installs; GPU memory at the same point of every cycle (released; installed) the same; finally a second server
+installs; a step with one parameter's bytes flipped in its bucket after the trainer hashed them fails on the
+weights check (runtime/colocated/digest.py) naming that parameter, and the next step installs; GPU memory at
+the same point of every cycle (released; installed) the same; finally a second server
 loaded from a checkpoint of the last weights generates the same greedy tokens and holds the same bytes. One
 JSON report. `--arch qwen3_fp8 qwen3_moe_fp8` (CUDA only): the engine serves block FP8 and the trainer
 publishes BF16, which our loader quantizes while it copies; each step is checked against the reference
@@ -620,7 +622,8 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
                 not wrong and not client.paused,
                 wrong=wrong[:5],
             )
-            last = weights
+            last = check_corrupt_step(checks, engine, rollout, trainer, writer, 102)
+            gens.append(engine.generate())
             # SGLang's own load of the same weights (block FP8: of the reference-quantized checkpoint), under
             # checkpoint names, in the same server. It comes after the memory readings: its host-to-GPU copies
             # stay cached in the scheduler's allocator, which is SGLang's load and not a step of ours.
@@ -709,6 +712,43 @@ def check_arch(args: argparse.Namespace, arch: str, redis: RedisServer, root: Pa
     report["checks"] = checks.items
     report["ok"] = checks.ok
     return report
+
+
+def check_corrupt_step(
+    checks: Checks, engine: Engine, rollout: ColocatedRollout, trainer: Trainer, writer: Any, step: int
+) -> dict[str, torch.Tensor]:
+    """The weights check inside SGLang: step `step` has one parameter's bytes flipped in its bucket after the
+    trainer hashed them (what a bad transport or a stray write would leave). The step fails naming it, the
+    server stays up and paused, and the next step installs bitwise. Returns that step's weights."""
+    from colocate_runtime.colocated.outcome import WeightsMismatch
+    from tests.runtime.test_digest import corrupt_after_hashing
+
+    weights = trainer.weights(step)
+    name = max(weights, key=lambda n: weights[n].numel())  # the largest: a weight every layout carries
+    corrupt_after_hashing(writer, step, name)
+    cause = None
+    rollout.before_training()
+    try:
+        pending = trainer.publish(writer, step, weights, f"v{step}")
+        rollout.install_weights(f"v{step}", confirm=lambda: writer.wait_and_free(pending))
+    except StepNotInstalled as err:
+        cause = err.__cause__
+    named = cause.parameters if isinstance(cause, WeightsMismatch) else None
+    checks.add(
+        "corrupt bucket: the weights check fails its step naming the parameter, the server paused",
+        named == (name,) and engine.alive() and engine.client.paused,
+        corrupted=name,
+        named=named,
+        paused=engine.client.paused,
+        error=f"{type(cause).__name__}: {cause}"[:300],
+    )
+    weights = trainer.weights(step + 1)
+    rollout.before_training()
+    pending = trainer.publish(writer, step + 1, weights, f"v{step + 1}")
+    rollout.install_weights(f"v{step + 1}", confirm=lambda: writer.wait_and_free(pending))
+    wrong = bitwise_diff(engine.probe("dump")["params"], trainer.expected(weights))
+    checks.add("after the corrupt step: the next step installs bitwise", not wrong, wrong=wrong[:5])
+    return weights
 
 
 def run_check(args: argparse.Namespace) -> int:
