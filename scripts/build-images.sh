@@ -74,7 +74,8 @@ make_base() {  # make_base <ref> <suite> <packages> [more mmdebstrap options...]
   if podman image exists "$ref"; then log "base $ref cached"; return; fi
   log "making a base root filesystem: mmdebstrap $suite ($packages)"
   tar=$(mktemp -p "$out" base-XXXXXX.tar)
-  trap 'rm -f "$tar"' EXIT
+  # The path now, not at exit: `tar` is local, and unbound (set -u) once this function returned.
+  trap "rm -f '$tar'" EXIT
   mmdebstrap --quiet --variant=minbase --include="$packages" "$@" \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
     --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
@@ -82,6 +83,7 @@ make_base() {  # make_base <ref> <suite> <packages> [more mmdebstrap options...]
   podman import --quiet --change 'CMD ["python3"]' --change "LABEL dev.colocate.inputs=$key" \
     "$tar" "$ref" >/dev/null
   rm -f "$tar"
+  trap - EXIT
   log "base $ref made in $((SECONDS - t)) s"
 }
 base_key=$(printf '%s\n' "$suite" "$base_packages" "v1" | sha256sum | cut -c1-12)
