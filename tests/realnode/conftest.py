@@ -17,7 +17,7 @@ from colocate_devcluster.realnode import can_run
 from demo.realnode_demo import OPERATOR_REPOSITORY, RESTRICTED, build_images, chart_values
 from tests.kube import CHART, helm
 
-SLOW = os.environ.get("COLOCATE_SLOW_TESTS") == "1"  # the slow set: the job on real containers too
+SLOW = os.environ.get("COLOCATE_SLOW_TESTS") == "1"  # the slow set: the demo on real containers too
 IMAGE_REPOSITORY = OPERATOR_REPOSITORY  # what scripts/build-images.sh tags, the chart's appVersion
 
 
@@ -36,9 +36,9 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(f"this machine cannot run a real node: {why}")
     # The images are cached by their inputs: a warm run takes about 10-20 s (each image started once), a
     # cold one 10 min at load average 15 (two mmdebstrap runs, pip, a 1.3 GB runtime image saved).
-    # The worker image (1.3 GB: a minute to import into each new containerd, more to rebuild after a source
-    # change) only for the slow set's job on real containers (test_realnode_job.py).
-    built = build_images(with_runtime=SLOW)
+    # With the worker image (1.3 GB: a minute to import into each new containerd, more to rebuild after a
+    # source change) for the job on real containers (test_realnode_job.py).
+    built = build_images(with_runtime=True)
     rebuilt = [line for line in built if " built in " in line or " made in " in line]
     print("\n".join([*rebuilt, built[-1]]), file=sys.stderr)  # what it cost
     cluster = Cluster(ClusterSpec(workdir=tmp_path_factory.mktemp("realnode"), gpu_nodes=2, real_nodes=1))

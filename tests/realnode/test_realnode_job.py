@@ -29,16 +29,12 @@ from colocate_runtime.contract.events import is_final_termination_message
 from demo import realnode_demo
 from demo.realnode_demo import REDIS_IMAGE, RUNTIME_IMAGE
 from tests.kube import get_json, wait_for
-from tests.realnode.conftest import SLOW
 
 # The first test of the tier builds the images when their inputs changed (scripts/build-images.sh: minutes
 # on a loaded machine after a source change) and starts the real node: beyond the suite's default timeout.
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(1500),
-    # Slow set: about 3.5 min more than the node tier (the 1.3 GB worker image built and imported), out of
-    # `make test`'s budget: COLOCATE_SLOW_TESTS=1 .venv/bin/python -m pytest tests/realnode
-    pytest.mark.skipif(not SLOW, reason="slow set: set COLOCATE_SLOW_TESTS=1"),
 ]
 
 STEPS = 3
