@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colocate_operator import gang, gpus, names
+from colocate_operator import gang, gpus, names, placement
 from colocate_operator.config import OperatorConfig
 from colocate_operator.constants import (
     COMPONENT_WORKER,
@@ -276,16 +276,7 @@ def pod(
         "securityContext": security_context(DEFAULT_POD_SECURITY, spec.pod.security_context),
         "terminationGracePeriodSeconds": spec.pod.termination_grace_period_seconds,
         "tolerations": [gpus.gpu_toleration(), *(dict(t) for t in spec.scheduling.tolerations)],
-        "affinity": {
-            "podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "labelSelector": {"matchLabels": names.selector(job.ref.name, COMPONENT_WORKER)},
-                        "topologyKey": "kubernetes.io/hostname",
-                    }
-                ]
-            }
-        },
+        **placement.one_pod_per_node(job),  # one pod of the job a node, cheaply for the scheduler
         "volumes": [
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}},
             {"name": SOCKET_VOLUME, "emptyDir": {}},

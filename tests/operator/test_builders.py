@@ -71,8 +71,19 @@ def test_pod_layout_same_gpus_shared_shm_and_pid_namespace() -> None:
         assert container["resources"]["claims"] == [{"name": CLAIM_NAME}]
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert {"/dev/shm", "/run/colocate"} <= mounts
-    anti = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert "affinity" not in spec, "no anti-affinity: the scheduler pays for it with every pod (issue 35)"
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread == {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": {"colocate.dev/job": "demo", "colocate.dev/component": "worker"}},
+        "minDomains": 2,  # numNodes: with fewer nodes to use, the pods that do not fit stay Pending
+    }
+
+
+def test_a_job_of_one_pod_needs_no_spread_constraint() -> None:
+    assert "topologySpreadConstraints" not in build_pod(factories.job(numNodes=1))["spec"]
 
 
 def test_sglang_probes_never_generate_so_they_stay_green_while_paused() -> None:
