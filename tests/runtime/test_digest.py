@@ -193,9 +193,9 @@ def kernel_matches_torch() -> None:
     kinds: set[str] = set()
     for make in LAYOUTS.values():
         layout = make(device)
-        # tile 2: entries split; the default chunk too
+        # tile 2: entries split; the default chunk too (few tiles: the interpreter runs each in Python)
         for period, tile, chunk in (
-            (1, 2, 32),
+            (2, 2, 64),
             (3, digest.TILE, 32),
             (1024, digest.TILE, digest.CHUNK_BYTES),
         ):
@@ -223,7 +223,7 @@ def _tile_kinds(program: digest.SampleProgram) -> set[str]:
     return kinds | ({"split entry"} if entries.unique().numel() < entries.numel() else set())
 
 
-@pytest.mark.timeout(300)  # the interpreter runs each program in Python: 90 s on a loaded 2-core machine
+@pytest.mark.timeout(300)  # the interpreter runs each program in Python: 20 s quiet, minutes at load 15
 def test_the_kernel_computes_what_the_torch_path_does_interpreted() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA: test_digest_gpu.py checks the kernel on the GPU")
