@@ -83,7 +83,7 @@ def job_manifest(name: str, namespace: str, steps: int, step_seconds: float) -> 
     job["metadata"] = {"name": name, "namespace": namespace}
     spec = job["spec"]
     spec.update(
-        numNodes=1,  # one real node; the worker pods keep apart (anti-affinity)
+        numNodes=1,  # one real node (a job keeps one pod a node: colocate_operator/placement.py)
         gpu={"allocation": "DevicePlugin"},
         scheduling={"nodeSelector": {REAL_NODE_LABEL: "true"}, "tolerations": [REAL_NODE_TOLERATION]},
         metaStore={"image": REDIS_IMAGE},  # Managed: the operator makes the job's Redis
