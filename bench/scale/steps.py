@@ -3,9 +3,12 @@ completed weight-update step per second on its step-event stream, in the local R
 (colocate_devcluster.localredis, the launcher tests and the demo share).
 
 The entries follow runtime/contract/events.py (schema v1). Only what completes a step for the operator is
-written: one trainer `finished` record with `result=ok` per GPU of the job (4 pods x 8 GPUs = 32 per job and
-step); the runtime's intermediate phases are left out, so this is the least stream traffic a real job sends.
-The records are generated inside Redis by a Lua script, so the emitter itself costs little CPU.
+written, as the pods the operator starts write it: in summary mode (the operator sets
+COLOCATE_STEP_SUMMARY_GPUS), each of the job's 32 GPUs (4 pods x 8) hands its `finished` record to the
+runtime's own script (runtime/colocated/step_summary.py), and the last one adds the step's one `completed`
+record. `summary=False` writes what a runtime in detailed mode writes instead: the 32 `finished` records.
+The runtime's intermediate phases are left out. The records are generated inside Redis by a Lua script, so
+the emitter itself costs little CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dataclasses import dataclass, field
 import redis
 
 from colocate_devcluster.localredis import RedisServer
-from colocate_runtime.contract.events import STREAM_MAXLEN, stream_key
+from colocate_runtime.colocated.keys import KeySchema
+from colocate_runtime.contract.events import STREAM_MAXLEN, StepEvent, encode
 
 # KEYS[1]: the job's stream; ARGV: step, ts, pods, GPUs per pod, maxlen.
 EMIT_STEP = """
@@ -35,6 +39,55 @@ end
 return pods * gpus
 """
 
+# KEYS: the step's set and the stream; ARGV: step, ts, pods, GPUs per pod, maxlen, TTL (ms), the GPU
+# counters' prefix, then the `completed` record's fields. Each GPU's finish runs the runtime's script itself.
+_EMIT_STEP_SUMMARY = """
+end
+local ts, pods, gpus = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local written = 0
+for r = 0, pods - 1 do
+  for g = 0, gpus - 1 do
+    local args = {'GPU-bench-' .. r .. '-' .. g, '0 0.500000 1073741824 1 ' .. ts, tostring(pods * gpus),
+                  ARGV[6], ARGV[5], ARGV[7]}
+    for i = 8, #ARGV do args[#args + 1] = ARGV[i] end
+    written = written + finish(KEYS, args)
+  end
+end
+return written
+"""
+
+
+def emit_step_summary() -> str:
+    """The summary emitter's script: the runtime's own as a function (imported here, not at the top, so
+    that stream_bench --source can measure a checkout from before summary mode with the detailed one)."""
+    from colocate_runtime.colocated.step_summary import FINISH_SCRIPT
+
+    return "local function finish(KEYS, ARGV)\n" + FINISH_SCRIPT + _EMIT_STEP_SUMMARY
+
+
+KEY_TTL_MS = 1_200_000  # the runtime's default key TTL (twice the 600-s step timeout)
+
+
+def completed_fields(step: int, ts: float, pods: int, gpus_per_pod: int) -> list[str]:
+    """The `completed` record the summary script fills in (step_summary.finish_args, for the last GPU)."""
+    event = StepEvent(
+        "trainer",
+        0,
+        step,
+        "completed",
+        "ok",
+        0.5,
+        {},
+        1 << 30,
+        1,
+        pods - 1,
+        pods * gpus_per_pod - 1,
+        "",
+        str(step),
+        ts=ts,
+    )
+    return [part for item in encode(event).items() for part in item]
+
 
 @dataclass
 class Emitter:
@@ -46,6 +99,7 @@ class Emitter:
     pods: int
     gpus_per_pod: int
     interval: float = 1.0
+    summary: bool = True  # as the operator's pods write (module docstring); False: per-GPU records
     steps: int = 0
     late_rounds: int = 0  # rounds that took longer than the interval
     round_seconds: list[float] = field(default_factory=list)
@@ -65,12 +119,19 @@ class Emitter:
     def emit_round(self, client: redis.Redis) -> float:
         """One step for every job (pipelined); seconds it took."""
         started = time.monotonic()
-        script = client.register_script(EMIT_STEP)
-        step, now = str(self.steps + 1), f"{time.time():.6f}"
+        script = client.register_script(emit_step_summary() if self.summary else EMIT_STEP)
+        now = time.time()
+        step, ts = self.steps + 1, f"{now:.6f}"
+        args: list[object] = [str(step), ts, self.pods, self.gpus_per_pod, STREAM_MAXLEN]
+        record = completed_fields(step, now, self.pods, self.gpus_per_pod) if self.summary else []
         pipe = client.pipeline(transaction=False)
         for job in self.jobs:
-            key = stream_key(self.namespace, job)
-            script(keys=[key], args=[step, now, self.pods, self.gpus_per_pod, STREAM_MAXLEN], client=pipe)
+            keys = KeySchema(self.namespace, job)
+            if self.summary:
+                job_args = [*args, KEY_TTL_MS, keys.gen_prefix(), *record]
+                script(keys=[keys.finished(step), keys.events()], args=job_args, client=pipe)
+            else:
+                script(keys=[keys.events()], args=args, client=pipe)
         pipe.execute()
         self.steps += 1
         return time.monotonic() - started

@@ -1,15 +1,16 @@
 """The operator's step reader alone, in one process against a real redis-server (issue 35): N jobs' streams
-filled with S steps of the scale bench's entries (bench/scale/steps.py: 32 trainer `finished` records a job
-and step), then read by one StreamReader into N trackers until every job has completed its last step. No
-API server: what is measured is reading, decoding and folding, the operator's cost per entry.
+filled with S steps of the scale bench's entries (bench/scale/steps.py: in summary mode, as the operator's
+pods write them, one `completed` record a job and step made by the runtime's script from its 32 GPUs'
+finishes; with --detailed, the 32 `finished` records), then read by one StreamReader into N trackers until
+every job has completed its last step. No API server: what is measured is reading, decoding and folding.
 
     python -m bench.scale.stream_bench --jobs 1000 --steps 10
 
-prints one JSON line: entries, wall seconds, the process's CPU seconds and Redis's, per entry. To compare
-with another commit's operator, run it with that commit's packages first on the path (`--source` names a
-checkout: its runtime/, operator/ and devcluster/ are linked into a temporary directory put first on
-sys.path before anything is imported), interleaving the two.
-"""
+prints one JSON line: entries, wall seconds, the process's CPU seconds and Redis's, per entry and per GPU
+finish (Redis's per finish includes the summary script's run when filling). To compare with another
+commit's operator, run it with that commit's packages first on the path (`--source` names a checkout: its
+runtime/, operator/ and devcluster/ are linked into a temporary directory put first on sys.path before
+anything is imported), interleaving the two; a checkout from before summary mode needs --detailed."""
 
 from __future__ import annotations
 
@@ -43,18 +44,17 @@ def _redis_cpu(client: Any) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def _fill(server: Any, keys: list[str], steps: int) -> None:
-    from bench.scale.steps import EMIT_STEP
-    from colocate_runtime.contract.events import STREAM_MAXLEN
+def _fill(server: Any, jobs: list[str], steps: int, summary: bool) -> float:
+    """The streams of `steps` steps of every job, as the scale bench's emitter writes them; Redis's CPU
+    seconds for it (in summary mode the runtime's script runs for each GPU there)."""
+    from bench.scale.steps import Emitter
 
     client = server.client(socket_timeout=60)
-    script = client.register_script(EMIT_STEP)
-    for step in range(1, steps + 1):
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            args = [str(step), f"{time.time():.6f}", PODS, GPUS_PER_POD, STREAM_MAXLEN]
-            script(keys=[key], args=args, client=pipe)
-        pipe.execute()
+    emitter = Emitter(server, "bench", jobs, PODS, GPUS_PER_POD, summary=summary)
+    before = _redis_cpu(client)
+    for _ in range(steps):
+        emitter.emit_round(client)
+    return _redis_cpu(client) - before
 
 
 async def _follow(server: Any, keys: list[str], steps: int, timeout: float) -> dict[str, float]:
@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--source", type=Path, help="a checkout whose operator and runtime to measure")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--detailed",
+        action="store_true",
+        help="one record a GPU and step (a runtime without COLOCATE_STEP_SUMMARY_GPUS), not summary mode",
+    )
     args = parser.parse_args(argv)
     if args.source is not None:
         _use_source(args.source.resolve())
@@ -97,20 +102,26 @@ def main(argv: list[str] | None = None) -> None:
     from colocate_devcluster.localredis import RedisServer
     from colocate_runtime.contract.events import stream_key
 
-    keys = [stream_key("bench", f"job-{i}") for i in range(args.jobs)]
+    jobs = [f"job-{i}" for i in range(args.jobs)]
+    keys = [stream_key("bench", job) for job in jobs]
     with tempfile.TemporaryDirectory(prefix="stream-bench-") as work:
         server = RedisServer(Path(work)).start()
         try:
-            _fill(server, keys, args.steps)
+            fill_cpu = _fill(server, jobs, args.steps, not args.detailed)
             client = server.client()
             redis_cpu = _redis_cpu(client)
             result = asyncio.run(_follow(server, keys, args.steps, args.timeout))
             result["redis_cpu_s"] = _redis_cpu(client) - redis_cpu
         finally:
             server.stop()
-    entries = args.jobs * args.steps * PODS * GPUS_PER_POD
+    finishes = args.jobs * args.steps * PODS * GPUS_PER_POD  # one a GPU and step, in either mode
+    entries = finishes if args.detailed else args.jobs * args.steps
     result.update(
+        mode="detailed" if args.detailed else "summary",
         entries=entries,
+        us_per_finish_cpu=1e6 * result["cpu_s"] / finishes,
+        us_per_finish_redis=1e6 * (result["redis_cpu_s"] + fill_cpu) / finishes,
+        redis_fill_cpu_s=fill_cpu,
         us_per_entry_cpu=1e6 * result["cpu_s"] / entries,
         us_per_entry_redis=1e6 * result["redis_cpu_s"] / entries,
         source=str(Path(colocate_operator.__file__).resolve().parent),

@@ -119,6 +119,7 @@ def contract_env(
         (env.ROLLOUT_WEIGHTS, spec.weight_sync.rollout_weights),
         (env.IPC_PREFLIGHT, spec.weight_sync.ipc_preflight.mode),
         (env.IPC_PREFLIGHT_TIMEOUT_SECONDS, spec.weight_sync.ipc_preflight.timeout_seconds),
+        (env.STEP_SUMMARY_GPUS, spec.world_size),  # one stream record a step, not one a GPU (steps.py)
         (env.TRAIN_TP, train.tensor),
         (env.TRAIN_PP, train.pipeline),
         (env.TRAIN_EP, train.expert),

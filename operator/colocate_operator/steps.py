@@ -48,6 +48,7 @@ PHASE_NAMES = {
     "final": "Done",
     "preflight": "Preflight",
     "rollout": "Rollout",
+    "completed": "Rollout",
 }
 
 
@@ -246,6 +247,9 @@ class StepTracker:
     rollout: RolloutFold = field(default_factory=RolloutFold)
 
     def observe(self, event: StepEvent) -> bool:
+        if event.phase == "completed":  # summary mode: the whole job's step in one record, no GPU of its own
+            self.current_phase = PHASE_NAMES["completed"]
+            return event.role == "trainer" and event.result == "ok" and self._complete(event.step, [event])
         gpu = event.gpu or f"rank-{event.rank}"
         newest = self._gens.get(gpu, event.gen)
         if event.gen < newest:
@@ -290,18 +294,23 @@ class StepTracker:
             self.dropped += 1
         if len(gpus) < self.expected_gpus:
             return False
-        events = list(gpus.values())
-        self.last_completed_step = event.step
+        return self._complete(event.step, list(gpus.values()))
+
+    def _complete(self, step: int, events: list[StepEvent]) -> bool:
+        """`step` finished on every GPU (`events`: each GPU's record, or the job's one `completed`)."""
+        if self.last_completed_step is not None and step <= self.last_completed_step:
+            return False
+        self.last_completed_step = step
         self.weight_version = max((e.weight_version for e in events), key=_version_key)
         self.last_sync_seconds = max(e.seconds for e in events)
         self.last_sync_bytes = sum(e.bytes for e in events)
         self.last_progress_ts = max(e.ts for e in events)
         self.last_failure = None
-        for step in [s for s in self._pending if s <= event.step]:
-            del self._pending[step]
+        for done in [s for s in self._pending if s <= step]:
+            del self._pending[done]
         self._remember(
             StepRecord(
-                event.step,
+                step,
                 "Succeeded",
                 self.last_sync_seconds,
                 self.last_sync_bytes,

@@ -74,6 +74,7 @@ class ColocateConfig:
     ipc_preflight_wait_s: float = float(env.IPC_PREFLIGHT_WAIT_SECONDS.default)
     weight_digest_period: int = env.WEIGHT_DIGEST_PERIOD.default  # 0: no weights check (digest.py)
     rollout_weights: str = env.ROLLOUT_WEIGHTS.default  # Auto | BF16 | BlockFP8 (sglang/auto.py)
+    step_summary_gpus: int = env.STEP_SUMMARY_GPUS.default  # 0: detailed step events (step_summary.py)
 
     def __post_init__(self) -> None:
         for name, value in (("COLOCATE_JOB_NAME", self.job), ("COLOCATE_NAMESPACE", self.namespace)):
@@ -103,6 +104,10 @@ class ColocateConfig:
             raise ConfigError(
                 "COLOCATE_IPC_PREFLIGHT_TIMEOUT_SECONDS must be positive and "
                 "COLOCATE_IPC_PREFLIGHT_WAIT_SECONDS not negative"
+            )
+        if not 0 <= self.step_summary_gpus <= 1 << 16:
+            raise ConfigError(
+                f"{env.STEP_SUMMARY_GPUS.name}={self.step_summary_gpus}: expected 0 (detailed) to {1 << 16}"
             )
         if not 0 <= self.weight_digest_period <= 1 << 20:
             raise ConfigError(
@@ -163,4 +168,5 @@ class ColocateConfig:
             ipc_preflight_wait_s=float(read(env.IPC_PREFLIGHT_WAIT_SECONDS)),
             weight_digest_period=read(env.WEIGHT_DIGEST_PERIOD),
             rollout_weights=read(env.ROLLOUT_WEIGHTS),
+            step_summary_gpus=read(env.STEP_SUMMARY_GPUS),
         )

@@ -13,6 +13,7 @@ differently).
 | `{p}:engine:{uuid}` | counter | SGLang side (`INCR` at start) | engine instance on that GPU (repush.py) |
 | `{p}:trainer:{uuid}` | JSON | trainer (`colocate_runtime.megatron`, at start) | convert/published.py |
 | `{p}:events` | stream | both sides | step events for the operator (contract/events.py) |
+| `{p}:finished:s{step}` | hash, TTL | trainer (summary mode) | UUID -> its finish (step_summary.py) |
 | `{p}:hb:{role}:{uuid}` | string, TTL | each process (`trainer`, `reader`) | JSON: pid, host, state |
 | `{p}:g{gen}:abort` | string, TTL | anyone | reason; aborts every step of the incarnation |
 | `{p}:g{gen}:ready:{uuid}` | list, TTL | trainer | step numbers whose manifest is published |
@@ -66,6 +67,14 @@ class KeySchema:
 
     def events(self) -> str:
         return stream_key(self.namespace, self.job)
+
+    def gen_prefix(self) -> str:
+        """What `gen(uuid)` puts before the UUID (the summary script builds the counters' keys from it)."""
+        return f"{self.prefix}:gen:"
+
+    def finished(self, step: int) -> str:
+        """Summary mode: the GPUs that finished `step` (step_summary.py)."""
+        return f"{self.prefix}:finished:s{step}"
 
     def heartbeat(self, role: str, uuid: str) -> str:
         if role not in ROLES:

@@ -23,6 +23,7 @@ from redis.retry import Retry
 from colocate_runtime.colocated.config import MetaStoreAddress
 from colocate_runtime.colocated.keys import KeySchema
 from colocate_runtime.colocated.manifest import Ack, ManifestError
+from colocate_runtime.colocated.step_summary import FINISH_SCRIPT, finish_args
 from colocate_runtime.contract import events as ev
 
 P = ParamSpec("P")
@@ -249,12 +250,20 @@ def _translated(fn: Callable[P, R]) -> Callable[P, R]:
 
 class MetaStore:
     def __init__(
-        self, client: redis.Redis, keys: KeySchema, *, key_ttl_s: float, address: str = "redis"
+        self,
+        client: redis.Redis,
+        keys: KeySchema,
+        *,
+        key_ttl_s: float,
+        address: str = "redis",
+        summary_gpus: int = 0,
     ) -> None:
         self.client = client
         self.keys = keys
         self.key_ttl_ms = int(key_ttl_s * 1000)
         self.address = address
+        self.summary_gpus = summary_gpus  # 0: detailed step events; else the job's GPUs (step_summary.py)
+        self._finish_step = client.register_script(FINISH_SCRIPT)
         self._set_nx_notify = client.register_script(_SET_NX_NOTIFY)
         self._claim = client.register_script(_CLAIM)
         self._fetch_step = client.register_script(_FETCH_STEP)
@@ -264,7 +273,12 @@ class MetaStore:
 
     @staticmethod
     def connect(
-        address: MetaStoreAddress, keys: KeySchema, *, key_ttl_s: float = 600.0, socket_timeout_s: float = 5.0
+        address: MetaStoreAddress,
+        keys: KeySchema,
+        *,
+        key_ttl_s: float = 600.0,
+        socket_timeout_s: float = 5.0,
+        summary_gpus: int = 0,
     ) -> MetaStore:
         """A client for the job's Redis; checks the password at once (a wrong one fails here, clearly)."""
         client = redis.Redis(
@@ -277,7 +291,7 @@ class MetaStore:
             retry=Retry(NoBackoff(), 0),  # the protocol's wait loops retry, within their deadlines
             health_check_interval=0,
         )
-        store = MetaStore(client, keys, key_ttl_s=key_ttl_s, address=str(address))
+        store = MetaStore(client, keys, key_ttl_s=key_ttl_s, address=str(address), summary_gpus=summary_gpus)
         store.ping()
         return store
 
@@ -604,11 +618,23 @@ class MetaStore:
 
     @_translated
     def emit(self, *events: ev.StepEvent) -> None:
-        """Append step events (several in one round trip)."""
+        """Append step events (several in one round trip); in summary mode a GPU's finish goes to its step's
+        set instead, and progress phases only from replica 0, rank 0 (contract/events.py)."""
         pipe = self.client.pipeline(transaction=False)
         for event in events:
-            ev.xadd(pipe, self.keys.events(), event)
-        pipe.execute()
+            if not self.summary_gpus:
+                ev.xadd(pipe, self.keys.events(), event)
+            elif ev.is_summarized(event):
+                args = finish_args(
+                    event, self.summary_gpus, self.key_ttl_ms, ev.STREAM_MAXLEN, self.keys.gen_prefix()
+                )
+                self._finish_step(
+                    keys=[self.keys.finished(event.step), self.keys.events()], args=args, client=pipe
+                )
+            elif not ev.is_detail(event) or (event.replica, event.rank) == (0, 0):
+                ev.xadd(pipe, self.keys.events(), event)
+        if len(pipe):
+            pipe.execute()
 
     @_translated
     def read_events(self, since: str = "-", count: int = 10_000) -> list[tuple[str, ev.StepEvent]]:

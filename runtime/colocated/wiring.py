@@ -34,7 +34,12 @@ AGREE_MARGIN_S = 10.0
 
 
 def connect(cfg: ColocateConfig) -> MetaStore:
-    return MetaStore.connect(cfg.metastore, KeySchema(cfg.namespace, cfg.job), key_ttl_s=cfg.key_ttl_s)
+    return MetaStore.connect(
+        cfg.metastore,
+        KeySchema(cfg.namespace, cfg.job),
+        key_ttl_s=cfg.key_ttl_s,
+        summary_gpus=cfg.step_summary_gpus,
+    )
 
 
 def cpu_device_id(cfg: ColocateConfig, rank: int) -> str:

@@ -290,6 +290,17 @@ WEIGHT_DIGEST_PERIOD = Var(
     "this many steps; a mismatch fails the step naming the parameter (runtime/colocated/digest.py). 0: off",
     _CONFIG,
 )
+STEP_SUMMARY_GPUS = Var(
+    "COLOCATE_STEP_SUMMARY_GPUS",
+    int,
+    0,
+    "summary mode of the step-event stream (contract/events.py): a step's successful finishes are kept in "
+    "the store until this many GPUs of the job have finished it, then one `completed` record is written, and "
+    "progress phases come from replica 0, rank 0 only. 0: every GPU writes each of its records (detailed), "
+    "as a runtime started by hand needs",
+    _CONFIG,
+    source="`numNodes` x `gpusPerNode`",
+)
 KEY_TTL_SECONDS = Var(
     "COLOCATE_KEY_TTL_SECONDS",
     int,
@@ -558,6 +569,7 @@ POD = (
     ACK_SPIN_MS,
     READY_SPIN_MS,
     WEIGHT_DIGEST_PERIOD,
+    STEP_SUMMARY_GPUS,
     KEY_TTL_SECONDS,
     SHM_DIR,
     SGLANG_URL,

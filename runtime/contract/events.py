@@ -47,7 +47,7 @@ publishing), `acked` (ACK received; `seconds` = wait), `freed` (buckets returned
 not write, or that does not decode; the step goes on waiting. Either side: `failed` with a
 `result` other than `ok`. At the end of training the trainer writes one record with `phase=final`,
 `final=true`, `step` = last step, `result` = `ok` or `error`: success of the job needs this record, not exit
-codes.
+codes. `completed` (summary mode only, below): the step finished on every GPU of the job.
 
 Where the trainer compares the engine's log-probs of the tokens it sampled with its own
 (runtime/consistency.py, `Publisher.report_rollout`), it writes one `phase=rollout` record per step with
@@ -68,9 +68,18 @@ figures out of their ranges, or on another phase), always with an `EventError`.
 Writers make events through one `EventSource` (their role, replica, rank and GPU) so that no two assemble
 them differently.
 
-For status, the operator needs only the trainer's `finished`, `failed`, `final` and `preflight` records: a
-step is complete for a pod when each of its GPUs has a trainer `finished` record with `result=ok` for that
-step.
+For status, the operator needs only the trainer's `finished`, `completed`, `failed`, `final` and `preflight`
+records: a step is complete when each GPU of the job has a trainer `finished` record with `result=ok` for
+that step, or when one `completed` record says so.
+
+Summary mode (`COLOCATE_STEP_SUMMARY_GPUS`, which the operator sets; runtime/colocated/step_summary.py).
+Per-GPU records cost the reader of the stream per GPU and step: 32 a step for a 32-GPU job, 256 with every
+phase. In summary mode a trainer's `finished` record with `result=ok` is not added to the stream: it is
+kept in the job's store until the job's last GPU finishes that step, and then one `completed` record is
+added (`seconds` the slowest GPU's, `bytes` and `handles` the sums, `ts` the latest, `gpu` empty, the
+other fields the last GPU's). The progress phases (`DETAIL_PHASES`, and the reader's `finished`) are
+written by the processes of replica 0, rank 0 only, so the job's current phase still shows. Failures,
+preflight, rollout, `ack_rejected` and `final` records are written as in the detailed mode.
 """
 
 from __future__ import annotations
@@ -107,7 +116,10 @@ PHASES = (
     "preflight",
     "ack_rejected",  # trainer: an ACK not from the step's claimant (or not decodable) was refused
     "rollout",  # trainer: the engine's log-probs against the trainer's for the step (RolloutFigures)
+    "completed",  # trainer, summary mode: the step finished on every GPU of the job (one record a step)
 )
+# Per-GPU progress within a step: what summary mode writes for one process of the job only (`is_detail`).
+DETAIL_PHASES = frozenset({"published", "opened", "copied", "closed", "acked", "freed"})
 RESULTS = ("", "ok", "error", "aborted", "timeout", "peer_lost", "metastore_lost")
 
 
@@ -198,6 +210,16 @@ def is_final_termination_message(text: str | None) -> bool:
 
 def stream_key(namespace: str, job: str) -> str:
     return f"{job_prefix(namespace, job)}:events"
+
+
+def is_detail(event: StepEvent) -> bool:
+    """Per-GPU progress within a step, which summary mode writes for one process only (module docstring)."""
+    return event.phase in DETAIL_PHASES or (event.role == "reader" and event.phase == "finished")
+
+
+def is_summarized(event: StepEvent) -> bool:
+    """A GPU's successful finish, which summary mode folds into the step's one `completed` record."""
+    return event.role == "trainer" and event.phase == "finished" and event.result == "ok"
 
 
 @dataclass(frozen=True, slots=True)

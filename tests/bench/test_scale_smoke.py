@@ -105,11 +105,32 @@ def test_audit_lines_are_counted_per_user_window_and_kind(tmp_path: Path) -> Non
     assert percentile([], 99) is None
 
 
-def test_emitted_steps_are_step_events_that_complete_a_step(tmp_path: Path) -> None:
-    """The emitter's records (made by a Lua script inside Redis) decode with the runtime's own decoder."""
+def test_emitted_summary_steps_are_one_completed_record_a_job_and_step(tmp_path: Path) -> None:
+    """As the operator's pods write them (summary mode): the runtime's script, run for each of 32 GPUs,
+    leaves one `completed` record a step, which the runtime's decoder reads."""
     server = RedisServer(tmp_path / "redis").start()
     try:
         emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8)
+        client = server.client()
+        emitter.emit_round(client)
+        emitter.emit_round(client)
+        events = [e for _, e in decode_entries(client.xrange(stream_key("ns", "b")))]
+        left = client.keys("colocate:ns:*:finished:*")
+    finally:
+        server.stop()
+    assert [(e.role, e.phase, e.result, e.step) for e in events] == [
+        ("trainer", "completed", "ok", 1),
+        ("trainer", "completed", "ok", 2),
+    ]
+    assert events[0].bytes == 32 << 30 and events[0].handles == 32 and events[1].weight_version == "2"
+    assert left == []
+
+
+def test_emitted_detailed_steps_are_step_events_that_complete_a_step(tmp_path: Path) -> None:
+    """The emitter's records (made by a Lua script inside Redis) decode with the runtime's own decoder."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8, summary=False)
         client = server.client()
         emitter.emit_round(client)
         emitter.emit_round(client)

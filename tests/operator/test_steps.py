@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from colocate_operator import steps
@@ -64,6 +65,25 @@ def test_step_completes_only_when_every_gpu_finished() -> None:
     assert status["lastSyncBytes"] == 130
     assert [r["step"] for r in recent_steps(tracker)] == [1]
     assert recent_steps(tracker)[0]["completionTime"] == "1970-01-01T00:16:41Z"
+
+
+def test_a_completed_record_completes_the_step_for_every_gpu_at_once() -> None:
+    """Summary mode (runtime/colocated/step_summary.py): one record stands for the job's GPUs."""
+    tracker = StepTracker(expected_gpus=32)
+    assert tracker.observe(finished(1, "GPU-a")) is False  # a detailed record first: pending
+    done = replace(finished(1, "", seconds=0.05, nbytes=3200, ts=1001.0), phase="completed")
+    assert tracker.observe(done) is True
+    status = weight_sync(tracker)
+    assert (status["lastCompletedStep"], status["lastSyncSeconds"], status["lastSyncBytes"]) == (
+        1,
+        0.05,
+        3200,
+    )
+    assert status["currentPhase"] == "Rollout"
+    assert tracker.observe(done) is False  # a repeat (or a replay after a restart) moves nothing back
+    assert tracker.observe(replace(done, step=2, result="error")) is False  # only a success completes
+    assert tracker.observe(replace(done, step=2, role="reader")) is False
+    assert tracker.last_completed_step == 1 and tracker.state_size()["pending_steps"] == 0
 
 
 def test_intermediate_phases_update_the_phase_without_a_write() -> None:
