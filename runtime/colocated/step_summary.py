@@ -29,9 +29,9 @@ from colocate_runtime.contract.events import StepEvent, encode
 # (a single Redis, as the rest of the protocol assumes; the ACL allows the job's prefix).
 FINISH_SCRIPT = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-local need = tonumber(ARGV[3])
-if redis.call('HLEN', KEYS[1]) < need then return 0 end
+local have, need = redis.call('HLEN', KEYS[1]), tonumber(ARGV[3])
+if have == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end  -- from the step's first finish
+if have < need then return 0 end
 local all = redis.call('HGETALL', KEYS[1])
 local count, secs, nbytes, handles, ts = 0, 0, 0, 0, 0
 for i = 1, #all, 2 do
