@@ -122,6 +122,31 @@ def test_several_steps_bitwise_equal_events_and_cleanup(cfg: ColocateConfig, wri
     assert store.read_manifest(gen, 4, writer.uuid) is not None
 
 
+def test_in_summary_mode_a_step_is_one_completed_record(redis_server: RedisServer, tmp_path: Path) -> None:
+    """As in an operator's pod (COLOCATE_STEP_SUMMARY_GPUS, here a one-GPU job): the writer's finish becomes
+    the step's `completed` record, and this process (replica 0, rank 0) still writes the progress phases."""
+    cfg = shm_config(redis_server, tmp_path / "shm", COLOCATE_BUCKET_MB="1", COLOCATE_STEP_SUMMARY_GPUS="1")
+    writer = new_writer(cfg)
+    targets = model.targets()
+    try:
+        with ReaderThread(new_reader(cfg, targets)) as rt:
+            for step in (1, 2):
+                writer.update(step, model.weights(step), weight_version=f"v{step}")
+            wait_for(lambda: len(rt.reports) == 2)
+        writer.finish(ok=True)
+        events = [e for _, e in writer.store.read_events()]
+    finally:
+        writer.close()
+    trainer = [(e.step, e.phase) for e in events if e.role == "trainer"]
+    assert trainer == [
+        *((step, phase) for step in (1, 2) for phase in ("published", "acked", "freed", "completed")),
+        (2, "final"),
+    ]
+    done = [e for e in events if e.phase == "completed"]
+    assert [(e.weight_version, e.handles, e.gpu) for e in done] == [("v1", 2, ""), ("v2", 2, "")]
+    assert all(e.bytes > 0 and e.seconds > 0 for e in done)
+
+
 def test_fetch_step_claims_only_an_existing_manifest_and_reads_aborts(
     cfg: ColocateConfig, writer: WeightWriter
 ) -> None:
