@@ -2,7 +2,7 @@
 
 Times are time.time() on this machine, the clock the audit log also uses. For each pod: when it was first
 seen (created), first seen bound to a node, first seen in phase Running. For each job: when the operator
-first reported it up (see Workload.job_ready).
+first reported it up (see Workload.job_ready), and when its status first showed each completed step.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Tracker:
     pods: dict[str, PodTimes] = field(default_factory=dict)
     job_ready: dict[str, float] = field(default_factory=dict)
     job_status_changes: dict[str, int] = field(default_factory=dict)
+    job_step: dict[str, tuple[int, float]] = field(default_factory=dict)  # lastCompletedStep, when first seen
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -86,6 +87,9 @@ class Tracker:
             self._last_status[name] = status
         if name not in self.job_ready and self.workload.job_ready(body):
             self.job_ready[name] = now
+        step = ((status or {}).get("weightSync") or {}).get("lastCompletedStep")
+        if step is not None and self.job_step.get(name, (None, 0.0))[0] != step:
+            self.job_step[name] = (step, now)
 
     # -- queries (under the lock) ----------------------------------------------------------------------------
     def gpu_pods_running(self) -> int:
@@ -95,6 +99,11 @@ class Tracker:
     def jobs_ready(self) -> int:
         with self._lock:
             return len(self.job_ready)
+
+    def steps_seen(self) -> dict[str, tuple[int, float]]:
+        """Each job's newest `status.weightSync.lastCompletedStep` and when the watch first brought it."""
+        with self._lock:
+            return dict(self.job_step)
 
     def snapshot(self) -> tuple[list[PodTimes], dict[str, float]]:
         with self._lock:
