@@ -1,11 +1,14 @@
 """The Kubernetes Events a job's step follower posts, throttled: one per failed step, StepCompleted at most
-once a minute, StepStalled when the progress deadline passes, and what the stream made it skip (entries too
-large to read, entries that are not step events, state let go of) at most once a minute.
+once a minute per job and within a budget shared by every job (`SuccessEventBudget`), StepStalled when the
+progress deadline passes, and what the stream made it skip (entries too large to read, entries that are
+not step events, state let go of) at most once a minute.
 (The rollout-consistency breach Events are rollout_check.py's.)
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from colocate_operator import kube
@@ -16,7 +19,39 @@ from colocate_operator.steps import StepRecord
 from colocate_runtime.contract.events import ENTRY_MAX_FIELDS, FIELD_MAX_BYTES
 
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
+# StepCompleted Events over all jobs: a token bucket. Up to 300 jobs stepping still get theirs once a
+# minute; at 1000 jobs the 17 a second they would ask are a third of the step window's requests, competing
+# with the status writes the user reads (docs/benchmarks.md). A success the budget defers goes out with
+# the job's next write. Warnings (failed, stalled) are never held back.
+SUCCESS_EVENTS_PER_SECOND = 5.0
+SUCCESS_EVENTS_BURST = 50.0
 EVENT_MESSAGE_MAX_CHARS = 1024
+
+
+@dataclass
+class SuccessEventBudget:
+    """The StepCompleted Events every follower of one operator may post: `burst` at once, refilled at
+    `rate` a second. Taken from the followers' API threads, hence the lock."""
+
+    rate: float = SUCCESS_EVENTS_PER_SECOND
+    burst: float = SUCCESS_EVENTS_BURST
+    tokens: float = -1.0  # full (`burst`) unless given
+    at: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            self.tokens = self.burst
+
+    def take(self, now: float) -> bool:
+        with self._lock:
+            if self.at is not None:
+                self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1.0:
+                return False
+            self.tokens -= 1.0
+            return True
 
 
 def skips_due(state: JobStream, now: float) -> list[tuple[str, str]]:
@@ -56,8 +91,10 @@ def post_step_events(
     writes: StatusWrites,
     newly_stalled: bool,
     now: float,
+    budget: SuccessEventBudget | None = None,
 ) -> None:
-    """Events at step boundaries, throttled: one per failed step, successes at most once a minute."""
+    """Events at step boundaries, throttled: one per failed step, successes at most once a minute (and
+    within `budget`, shared by the operator's jobs)."""
     if newly_stalled:
         post_event(
             api, body, "Warning", "StepStalled", "no weight-update step within progressDeadlineSeconds"
@@ -70,7 +107,7 @@ def post_step_events(
     if newest.result == "Failed":
         message = f"step {newest.step}: {newest.message}"[:EVENT_MESSAGE_MAX_CHARS]
         post_event(api, body, "Warning", "StepFailed", message)
-    elif now - writes.last_success_event >= SUCCESS_EVENT_INTERVAL:
+    elif now - writes.last_success_event >= SUCCESS_EVENT_INTERVAL and (budget is None or budget.take(now)):
         post_event(
             api,
             body,

@@ -302,7 +302,8 @@ async def _maybe_write(
     newly_stalled = stalled and not writes.written_stalled
     writes.boundaries, writes.last_write = snapshot.boundaries, now
     writes.written_phase, writes.written_stalled = snapshot.phase, stalled
-    await readers.call(post_step_events, api, body, snapshot.newest, writes, newly_stalled, now)
+    budget = readers.success_events
+    await readers.call(post_step_events, api, body, snapshot.newest, writes, newly_stalled, now, budget)
     await rollout_check.after_write(readers.call, api, body, state.tracker.rollout, snapshot.rollout)
 
 

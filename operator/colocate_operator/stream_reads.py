@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from colocate_operator.step_events import SuccessEventBudget
 from colocate_operator.step_stream import ENTRY_MAX_BYTES, TRIM_EVERY, JobStream
 from colocate_runtime.contract.events import ENTRY_MAX_FIELDS
 
@@ -441,6 +442,7 @@ class Readers:
         self._by_endpoint: dict[tuple[str, str], StreamReader] = {}
         self._pool = ThreadPoolExecutor(WRITES_IN_FLIGHT, thread_name_prefix="steps-api")
         self._write_turns: asyncio.Semaphore | None = None
+        self.success_events = SuccessEventBudget()  # StepCompleted Events over all the followers
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` (a blocking API call) in the followers' thread pool."""
