@@ -7,51 +7,17 @@ not step events, state let go of) at most once a minute.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from colocate_operator import kube
 from colocate_operator.kube_events import post_event
 from colocate_operator.step_stream import ENTRY_MAX_BYTES, SKIP_EVENT_INTERVAL, JobStream
-from colocate_operator.step_writes import StatusWrites
+from colocate_operator.step_writes import StatusWrites, SuccessEventBudget
 from colocate_operator.steps import StepRecord
 from colocate_runtime.contract.events import ENTRY_MAX_FIELDS, FIELD_MAX_BYTES
 
 SUCCESS_EVENT_INTERVAL = 60.0  # StepCompleted Events per job at most this often; failures always
-# StepCompleted Events over all jobs: a token bucket. Up to 300 jobs stepping still get theirs once a
-# minute; at 1000 jobs the 17 a second they would ask are a third of the step window's requests, competing
-# with the status writes the user reads (docs/benchmarks.md). A success the budget defers goes out with
-# the job's next write. Warnings (failed, stalled) are never held back.
-SUCCESS_EVENTS_PER_SECOND = 5.0
-SUCCESS_EVENTS_BURST = 50.0
 EVENT_MESSAGE_MAX_CHARS = 1024
-
-
-@dataclass
-class SuccessEventBudget:
-    """The StepCompleted Events every follower of one operator may post: `burst` at once, refilled at
-    `rate` a second. Taken from the followers' API threads, hence the lock."""
-
-    rate: float = SUCCESS_EVENTS_PER_SECOND
-    burst: float = SUCCESS_EVENTS_BURST
-    tokens: float = -1.0  # full (`burst`) unless given
-    at: float | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.tokens < 0:
-            self.tokens = self.burst
-
-    def take(self, now: float) -> bool:
-        with self._lock:
-            if self.at is not None:
-                self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
-            self.at = now
-            if self.tokens < 1.0:
-                return False
-            self.tokens -= 1.0
-            return True
 
 
 def skips_due(state: JobStream, now: float) -> list[tuple[str, str]]:

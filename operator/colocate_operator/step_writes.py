@@ -9,7 +9,8 @@ view of the job it knows rather than a GET.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -153,3 +154,37 @@ def write_due(writes: StatusWrites) -> float:
         writes.dirty_since + WRITE_SETTLE_SECONDS,
         writes.last_write + WRITE_MIN_INTERVAL_SECONDS,
     )
+
+
+# StepCompleted Events over all jobs: a token bucket. Up to 300 jobs stepping still get theirs once a
+# minute; at 1000 jobs the 17 a second they would ask are a third of the step window's requests, competing
+# with the status writes the user reads (docs/benchmarks.md). A success the budget defers goes out with
+# the job's next write. Warnings (failed, stalled) are never held back.
+SUCCESS_EVENTS_PER_SECOND = 5.0
+SUCCESS_EVENTS_BURST = 50.0
+
+
+@dataclass
+class SuccessEventBudget:
+    """The StepCompleted Events every follower of one operator may post: `burst` at once, refilled at
+    `rate` a second. Taken from the followers' API threads, hence the lock."""
+
+    rate: float = SUCCESS_EVENTS_PER_SECOND
+    burst: float = SUCCESS_EVENTS_BURST
+    tokens: float = -1.0  # full (`burst`) unless given
+    at: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            self.tokens = self.burst
+
+    def take(self, now: float) -> bool:
+        with self._lock:
+            if self.at is not None:
+                self.tokens = min(self.burst, self.tokens + max(0.0, now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1.0:
+                return False
+            self.tokens -= 1.0
+            return True

@@ -27,8 +27,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from colocate_operator.step_events import SuccessEventBudget
 from colocate_operator.step_stream import ENTRY_MAX_BYTES, TRIM_EVERY, JobStream
+from colocate_operator.step_writes import SuccessEventBudget
 from colocate_runtime.contract.events import ENTRY_MAX_FIELDS
 
 log = logging.getLogger("colocate_operator.steps")

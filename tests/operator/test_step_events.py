@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from colocate_operator.step_events import SuccessEventBudget, post_step_events
-from colocate_operator.step_writes import StatusWrites
+from colocate_operator.step_events import post_step_events
+from colocate_operator.step_writes import StatusWrites, SuccessEventBudget
 from colocate_operator.steps import StepRecord
 
 
