@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import redis
 
 from colocate_devcluster.localredis import RedisServer
+from colocate_runtime.colocated.config import default_key_ttl
 from colocate_runtime.colocated.keys import KeySchema
-from colocate_runtime.contract.events import STREAM_MAXLEN, StepEvent, encode
+from colocate_runtime.contract.env import STEP_TIMEOUT_SECONDS
+from colocate_runtime.contract.events import STREAM_MAXLEN, StepEvent
 
 # KEYS[1]: the job's stream; ARGV: step, ts, pods, GPUs per pod, maxlen.
 EMIT_STEP = """
@@ -65,28 +67,17 @@ def emit_step_summary() -> str:
     return "local function finish(KEYS, ARGV)\n" + FINISH_SCRIPT + _EMIT_STEP_SUMMARY
 
 
-KEY_TTL_MS = 1_200_000  # the runtime's default key TTL (twice the 600-s step timeout)
+KEY_TTL_MS = 1000 * default_key_ttl(float(STEP_TIMEOUT_SECONDS.default))  # the runtime's default
 
 
 def completed_fields(step: int, ts: float, pods: int, gpus_per_pod: int) -> list[str]:
-    """The `completed` record the summary script fills in (step_summary.finish_args, for the last GPU)."""
-    event = StepEvent(
-        "trainer",
-        0,
-        step,
-        "completed",
-        "ok",
-        0.5,
-        {},
-        1 << 30,
-        1,
-        pods - 1,
-        pods * gpus_per_pod - 1,
-        "",
-        str(step),
-        ts=ts,
+    """The `completed` record the summary script fills in, as the job's last GPU makes it."""
+    from colocate_runtime.colocated import step_summary  # lazily: see emit_step_summary
+
+    last = StepEvent(
+        "trainer", 0, step, "finished", "ok", 0.5, {}, 1 << 30, 1, pods - 1, pods * gpus_per_pod - 1
     )
-    return [part for item in encode(event).items() for part in item]
+    return step_summary.completed_fields(replace(last, weight_version=str(step)), ts)
 
 
 @dataclass

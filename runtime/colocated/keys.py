@@ -56,7 +56,7 @@ class KeySchema:
         return job_prefix(self.namespace, self.job)
 
     def gen(self, uuid: str) -> str:
-        return f"{self.prefix}:gen:{uuid}"
+        return f"{self.gen_prefix()}{uuid}"
 
     def engine(self, uuid: str) -> str:
         return f"{self.prefix}:engine:{uuid}"

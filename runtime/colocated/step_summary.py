@@ -16,7 +16,6 @@ never finishes (it failed: its `failed` record goes to the stream as always) lea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 
 from colocate_runtime.contract.events import StepEvent, encode
@@ -65,7 +64,7 @@ def finish_args(event: StepEvent, gpus: int, ttl_ms: int, maxlen: int, gen_prefi
     """The script's ARGV for one GPU's successful `finished` record (`is_summarized`)."""
     figures = encode(event)  # fills ts from the clock when the event has none
     own = f"{event.gen} {figures['seconds']} {event.bytes} {event.handles} {figures['ts']}"
-    completed = encode(replace(event, phase="completed", gpu="", phase_seconds={}), now=float(figures["ts"]))
+    completed = completed_fields(event, float(figures["ts"]))
     return [
         event.gpu or f"rank-{event.rank}",
         own,
@@ -73,9 +72,12 @@ def finish_args(event: StepEvent, gpus: int, ttl_ms: int, maxlen: int, gen_prefi
         str(ttl_ms),
         str(maxlen),
         gen_prefix,
-        *_flat(completed),
+        *completed,
     ]
 
 
-def _flat(fields: dict[str, str]) -> Sequence[str]:
+def completed_fields(event: StepEvent, ts: float) -> list[str]:
+    """The `completed` record, flat (key, value, ...), that `event`'s finish writes if it is the last; the
+    script sets its seconds, bytes, handles and ts from the whole set."""
+    fields = encode(replace(event, phase="completed", gpu="", phase_seconds={}), now=ts)
     return [part for item in fields.items() for part in item]
