@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.scale import report
 from bench.scale.run import RunSpec, run
 from bench.scale.source import snapshot
+from bench.scale.steps import RECORDS
 from bench.scale.testbed import ROOT, Testbed, cpu_nodes_for, say
 from bench.scale.workloads import PODS_PER_JOB
 
@@ -62,6 +63,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="create the jobs at this many a second, evenly spaced (default: all at once); the times "
         "until Running per job then matter more than the time until all pods are Running",
+    )
+    parser.add_argument(
+        "--step-records",
+        choices=RECORDS,
+        default="job",
+        help="what the step window's emitter writes a job and step (bench/scale/steps.py): job (default): "
+        "the one `completed` record the operator reads in summary mode; gpu: each of the 32 GPUs runs the "
+        "runtime's summary script in the shared Redis, as the pods do in their own (about a core at 1000 "
+        "jobs on this machine); detailed: 32 `finished` records",
     )
     parser.add_argument(
         "--profile-idle",
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 up_timeout=args.up_timeout,
                 profile_idle=args.profile_idle and operator != "kuberay",
                 rate=args.rate,
+                step_records=args.step_records,
             )
             try:
                 runs.append(run(bed, spec, workdir / "operator-logs", kuberay_bin))

@@ -55,6 +55,7 @@ class RunSpec:
     up_timeout: float | None = None  # bound on the wait for every pod Running; None: 180 s + 2 s per job
     profile_idle: bool = False  # py-spy samples our operator through the steady window (a dev tool)
     rate: float | None = None  # jobs created per second, evenly spaced; None: all at once (back to back)
+    step_records: str = "job"  # how the step window's emitter writes (bench/scale/steps.py RECORDS)
 
     @property
     def timeout(self) -> float:
@@ -167,7 +168,8 @@ def _step_phase(
         return None
     say(f"  step events: {len(jobs)} jobs x 1 step/s for {spec.step_seconds:.0f} s")
     cpu0, start = usage(pid).cpu_seconds, time.time()
-    emitter = Emitter(bed.redis, namespace, jobs, PODS_PER_JOB, GPUS_PER_POD).start()
+    emitter = Emitter(bed.redis, namespace, jobs, PODS_PER_JOB, GPUS_PER_POD, records=spec.step_records)
+    emitter.start()
     time.sleep(spec.step_seconds)
     emitter.stop()
     emitted_at = time.time()
@@ -188,6 +190,7 @@ def _step_phase(
     )
     return {
         "steps": emitter.steps,
+        "records": spec.step_records,
         "emitter_late_rounds": emitter.late_rounds,
         "emitter_round_seconds_p50": rounds[len(rounds) // 2] if rounds else None,
         "catch_up_seconds": end - emitted_at,

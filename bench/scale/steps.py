@@ -3,10 +3,16 @@ completed weight-update step per second on its step-event stream, in the local R
 (colocate_devcluster.localredis, the launcher tests and the demo share).
 
 The entries follow runtime/contract/events.py (schema v1). Only what completes a step for the operator is
-written, as the pods the operator starts write it: in summary mode (the operator sets
-COLOCATE_STEP_SUMMARY_GPUS), each of the job's 32 GPUs (4 pods x 8) hands its `finished` record to the
-runtime's own script (runtime/colocated/step_summary.py), and the last one adds the step's one `completed`
-record. `summary=False` writes what a runtime in detailed mode writes instead: the 32 `finished` records.
+written, in one of three ways (`records`):
+- "job" (the scale bench's default): the step's one `completed` record per job, as the runtime's script
+  leaves it, XADDed directly. In summary mode (the operator sets COLOCATE_STEP_SUMMARY_GPUS) that record is
+  all the operator reads. The 32 script calls that make it run, on a cluster, in each job's own Redis, not
+  on the control plane's machine; here, 32,000 a second for 1000 jobs held about a core of the 2 the
+  control plane and the operator share (docs/benchmarks.md), so they are left out of the window that times
+  the operator. stream_bench measures the script's cost itself.
+- "gpu": each of the job's 32 GPUs (4 pods x 8) hands its `finished` record to the runtime's own script
+  (runtime/colocated/step_summary.py), and the last one adds the step's `completed` record: the pods' path.
+- "detailed": what a runtime in detailed mode writes: the 32 `finished` records.
 The runtime's intermediate phases are left out. The records are generated inside Redis by a Lua script, so
 the emitter itself costs little CPU.
 """
@@ -59,6 +65,13 @@ return written
 """
 
 
+# KEYS[1]: the job's stream; ARGV: maxlen, then the `completed` record's fields.
+EMIT_COMPLETED = """
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 2))
+"""
+RECORDS = ("job", "gpu", "detailed")
+
+
 def emit_step_summary() -> str:
     """The summary emitter's script: the runtime's own as a function (imported here, not at the top, so
     that stream_bench --source can measure a checkout from before summary mode with the detailed one)."""
@@ -70,13 +83,15 @@ def emit_step_summary() -> str:
 KEY_TTL_MS = 1000 * default_key_ttl(float(STEP_TIMEOUT_SECONDS.default))  # the runtime's default
 
 
-def completed_fields(step: int, ts: float, pods: int, gpus_per_pod: int) -> list[str]:
-    """The `completed` record the summary script fills in, as the job's last GPU makes it."""
+def completed_fields(step: int, ts: float, pods: int, gpus_per_pod: int, whole: bool = False) -> list[str]:
+    """The `completed` record the summary script fills in, as the job's last GPU makes it; `whole`: with
+    the figures the script sets filled in (every GPU's 1 GiB and handle summed), as it lands in the stream."""
     from colocate_runtime.colocated import step_summary  # lazily: see emit_step_summary
 
-    last = StepEvent(
-        "trainer", 0, step, "finished", "ok", 0.5, {}, 1 << 30, 1, pods - 1, pods * gpus_per_pod - 1
-    )
+    gpus = pods * gpus_per_pod
+    last = StepEvent("trainer", 0, step, "finished", "ok", 0.5, {}, 1 << 30, 1, pods - 1, gpus - 1)
+    if whole:
+        last = replace(last, bytes=gpus << 30, handles=gpus)
     return step_summary.completed_fields(replace(last, weight_version=str(step)), ts)
 
 
@@ -90,12 +105,16 @@ class Emitter:
     pods: int
     gpus_per_pod: int
     interval: float = 1.0
-    summary: bool = True  # as the operator's pods write (module docstring); False: per-GPU records
+    records: str = "job"  # one of RECORDS (module docstring)
     steps: int = 0
     late_rounds: int = 0  # rounds that took longer than the interval
     round_seconds: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        if self.records not in RECORDS:
+            raise ValueError(f"records must be one of {', '.join(RECORDS)}, not {self.records!r}")
 
     def start(self) -> Emitter:
         self._thread = threading.Thread(target=self._run, name="step-emitter", daemon=True)
@@ -110,15 +129,23 @@ class Emitter:
     def emit_round(self, client: redis.Redis) -> float:
         """One step for every job (pipelined); seconds it took."""
         started = time.monotonic()
-        script = client.register_script(emit_step_summary() if self.summary else EMIT_STEP)
+        source = {"job": EMIT_COMPLETED, "gpu": emit_step_summary, "detailed": EMIT_STEP}[self.records]
+        script = client.register_script(source if isinstance(source, str) else source())
         now = time.time()
         step, ts = self.steps + 1, f"{now:.6f}"
         args: list[object] = [str(step), ts, self.pods, self.gpus_per_pod, STREAM_MAXLEN]
-        record = completed_fields(step, now, self.pods, self.gpus_per_pod) if self.summary else []
+        whole = self.records == "job"
+        record = (
+            completed_fields(step, now, self.pods, self.gpus_per_pod, whole)
+            if self.records != "detailed"
+            else []
+        )
         pipe = client.pipeline(transaction=False)
         for job in self.jobs:
             keys = KeySchema(self.namespace, job)
-            if self.summary:
+            if self.records == "job":
+                script(keys=[keys.events()], args=[STREAM_MAXLEN, *record], client=pipe)
+            elif self.records == "gpu":
                 job_args = [*args, KEY_TTL_MS, keys.gen_prefix(), *record]
                 script(keys=[keys.finished(step), keys.events()], args=job_args, client=pipe)
             else:

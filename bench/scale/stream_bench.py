@@ -50,7 +50,7 @@ def _fill(server: Any, jobs: list[str], steps: int, summary: bool) -> float:
     from bench.scale.steps import Emitter
 
     client = server.client(socket_timeout=60)
-    emitter = Emitter(server, "bench", jobs, PODS, GPUS_PER_POD, summary=summary)
+    emitter = Emitter(server, "bench", jobs, PODS, GPUS_PER_POD, records="gpu" if summary else "detailed")
     before = _redis_cpu(client)
     for _ in range(steps):
         emitter.emit_round(client)

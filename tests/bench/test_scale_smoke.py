@@ -4,6 +4,7 @@ request counts come from), 8 fake GPU nodes, 2 ColocateJobs of 4 pods reporting 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,7 @@ def test_emitted_summary_steps_are_one_completed_record_a_job_and_step(tmp_path:
     leaves one `completed` record a step, which the runtime's decoder reads."""
     server = RedisServer(tmp_path / "redis").start()
     try:
-        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8)
+        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8, records="gpu")
         client = server.client()
         emitter.emit_round(client)
         emitter.emit_round(client)
@@ -126,11 +127,30 @@ def test_emitted_summary_steps_are_one_completed_record_a_job_and_step(tmp_path:
     assert left == []
 
 
+def test_emitted_job_records_are_what_the_gpus_script_leaves(tmp_path: Path) -> None:
+    """The scale bench's default: one `completed` record a job and step, written directly, decodes to what
+    the 32 GPUs' runs of the runtime's script leave (but the record's time)."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        client = server.client()
+        by_mode = {}
+        for records in ("job", "gpu"):
+            Emitter(server, records, ["a"], pods=4, gpus_per_pod=8, records=records).emit_round(client)
+            by_mode[records] = [e for _, e in decode_entries(client.xrange(stream_key(records, "a")))]
+    finally:
+        server.stop()
+    job, gpu = by_mode["job"], by_mode["gpu"]
+    assert len(job) == len(gpu) == 1
+    assert replace(job[0], ts=0.0) == replace(gpu[0], ts=0.0)
+    with pytest.raises(ValueError, match="records must be one of"):
+        Emitter(server, "ns", ["a"], pods=4, gpus_per_pod=8, records="per-gpu")
+
+
 def test_emitted_detailed_steps_are_step_events_that_complete_a_step(tmp_path: Path) -> None:
     """The emitter's records (made by a Lua script inside Redis) decode with the runtime's own decoder."""
     server = RedisServer(tmp_path / "redis").start()
     try:
-        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8, summary=False)
+        emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8, records="detailed")
         client = server.client()
         emitter.emit_round(client)
         emitter.emit_round(client)
