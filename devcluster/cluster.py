@@ -51,6 +51,9 @@ class ClusterSpec:
     # Real nodes beside the kwok ones: kubelet, containerd, runc and CNI on this machine, running images
     # that scripts/build-images.sh built (devcluster/realnode.py; needs root).
     real_nodes: int = 0
+    # kwok renews each fake node's Lease every quarter of this, as a kubelet does: 40 s is 400 renewals a
+    # second for 4000 nodes, about a core of kube-apiserver's (the scale bench's --node-lease-seconds).
+    node_lease_seconds: int = 40
 
     def __post_init__(self) -> None:
         if self.gpu_nodes < 0 or self.gpus_per_node < 1:
@@ -342,7 +345,7 @@ class Cluster:
             f"--manage-nodes-with-annotation-selector={'='.join(manifests.KWOK_ANNOTATION)}",
             "--cidr=10.244.0.0/16",  # kwok's default pod CIDR would clash with common service ranges
             "--node-ip=10.240.0.1",
-            "--node-lease-duration-seconds=40",
+            f"--node-lease-duration-seconds={self.spec.node_lease_seconds}",
             f"--server-address=127.0.0.1:{kwok_port}",
         )
         kcm.wait_until(lambda: http_ok(f"https://127.0.0.1:{kcm_port}/healthz"), timeout, "healthy")

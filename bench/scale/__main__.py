@@ -65,6 +65,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "until Running per job then matter more than the time until all pods are Running",
     )
     parser.add_argument(
+        "--node-lease-seconds",
+        type=int,
+        default=40,
+        help="kwok renews each fake node's Lease every quarter of this (default 40 s, a kubelet's): 4000 "
+        "nodes renew 400 a second, about a core of kube-apiserver's on this 2-core machine; a control plane "
+        "for 4000 real nodes has cores of its own for it (docs/benchmarks.md). At most 300 (the testbed's "
+        "node monitor allows 10 minutes)",
+    )
+    parser.add_argument(
         "--step-records",
         choices=RECORDS,
         default="job",
@@ -140,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             kuberay_crd_dir=kuberay_crds,
             with_redis="colocate" in operators,
             source=source,
+            node_lease_seconds=args.node_lease_seconds,
         ).start()
 
     started = time.monotonic()
@@ -194,6 +204,7 @@ def _write(
         "failed_runs": failed,
         "command": "python -m bench.scale " + " ".join(sys.argv[1:]),
         "nodes": args.nodes,
+        "node_lease_seconds": args.node_lease_seconds,
         "repeats": args.repeats,
         "order": "per size: the operators in turn, repeated (interleaved)",
         "loadavg_at_start": LOAD_AT_START,

@@ -37,6 +37,7 @@ OPERATOR_ACCOUNTS = {"colocate": "colocate-operator", "kuberay": "kuberay-operat
 PODS_PER_CPU_NODE = 100  # kwok nodes offer 110 pods; keep some room
 LIFECYCLE_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 NODES_TIMEOUT = 600.0
+NODE_LEASE_MAX_SECONDS = 300  # well inside --node-monitor-grace-period=10m below
 
 
 def username(operator: str) -> str:
@@ -81,6 +82,7 @@ class Testbed:
     bin_dir: Path | None = None
     kuberay_crd_dir: Path | None = None
     with_redis: bool = False  # for the step-event runs
+    node_lease_seconds: int = 40  # kwok renews each node's Lease every quarter of it (ClusterSpec)
     source: OperatorSource = field(default_factory=lambda: snapshot("worktree", Path()))
     cluster: Cluster = field(init=False)
     redis: RedisServer | None = None
@@ -92,6 +94,11 @@ class Testbed:
         return self.workdir / "audit.log"
 
     def start(self) -> Testbed:
+        if not 10 <= self.node_lease_seconds <= NODE_LEASE_MAX_SECONDS:
+            raise ValueError(
+                f"node_lease_seconds must be 10-{NODE_LEASE_MAX_SECONDS} (the controller-manager's node "
+                f"monitor grace period here is 10 minutes), not {self.node_lease_seconds}"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         policy = self.workdir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(audit_policy()))
@@ -100,6 +107,7 @@ class Testbed:
             gpu_nodes=0,  # seeded below, in parallel
             bin_dir=self.bin_dir,
             ready_timeout=300,
+            node_lease_seconds=self.node_lease_seconds,
             extra_apiserver_args=(
                 f"--audit-policy-file={policy}",
                 f"--audit-log-path={self.audit_log}",
