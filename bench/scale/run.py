@@ -167,7 +167,7 @@ def _step_phase(
     if spec.operator != "colocate" or not spec.step_seconds or bed.redis is None:
         return None
     say(f"  step events: {len(jobs)} jobs x 1 step/s for {spec.step_seconds:.0f} s")
-    cpu0, start = usage(pid).cpu_seconds, time.time()
+    cpu0, parts0, start = usage(pid).cpu_seconds, _parts_cpu(bed), time.time()
     emitter = Emitter(bed.redis, namespace, jobs, PODS_PER_JOB, GPUS_PER_POD, records=spec.step_records)
     emitter.start()
     time.sleep(spec.step_seconds)
@@ -198,6 +198,10 @@ def _step_phase(
         "catch_up_method": "watch",
         "jobs_behind_after_catch_up": behind,
         "operator_cpu_seconds": usage(pid).cpu_seconds - cpu0,
+        # until every job caught up (or the 120-s bound): which part of the machine the window kept busy
+        "parts_cpu_seconds": {
+            name: round(c - parts0.get(name, 0.0), 2) for name, c in _parts_cpu(bed).items()
+        },
         "window": [start, end],
     }
 
