@@ -202,7 +202,26 @@ def _step_phase(
         "parts_cpu_seconds": {
             name: round(c - parts0.get(name, 0.0), 2) for name, c in _parts_cpu(bed).items()
         },
+        "job_object_bytes": _object_sizes(bed, namespace, jobs[0]),
         "window": [start, end],
+    }
+
+
+def _object_sizes(bed: Testbed, namespace: str, name: str) -> dict[str, int]:
+    """How big one job is as the API server stores it after the window (what each status write decodes,
+    patches, validates and encodes), and its parts."""
+    body = bed.api.get(WORKLOADS["colocate"].path(namespace, name))
+
+    def size(part: Any) -> int:
+        return len(json.dumps(part, separators=(",", ":")))
+
+    meta = body.get("metadata") or {}
+    return {
+        "whole": size(body),
+        "spec": size(body.get("spec")),
+        "status": size(body.get("status")),
+        "managed_fields": size(meta.get("managedFields")),
+        "managers": len(meta.get("managedFields") or ()),
     }
 
 
