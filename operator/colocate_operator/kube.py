@@ -36,6 +36,9 @@ WATCH_SECONDS = 300  # a watch request's own end (the API server closes it; the 
 # status, and name, namespace and uid (all before it) cannot hold a quote; a quote inside an annotation's
 # value is escaped, so it never matches.
 _RESOURCE_VERSION = re.compile(rb'"resourceVersion":"([^"]*)"')
+# The API server names a write's field manager after the client's User-Agent up to its "/": without one,
+# urllib3's own ("python-urllib3") owned the status fields in every job's managedFields.
+USER_AGENT = "colocate-operator/0.1"
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ class _Transport:
                 method,
                 url,
                 body=body,
-                headers={**self.auth, **headers},
+                headers={**self.auth, "User-Agent": USER_AGENT, **headers},
                 timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
                 preload_content=not stream,
                 retries=False,

@@ -90,6 +90,10 @@ def test_steps_failures_and_the_final_record_reach_status(
         "step 1 in status",
     )
     assert st["weightSync"]["lastSyncBytes"] == 2000 and st["weightSync"]["weightVersion"] == "1"
+    # The status fields are ours by name in managedFields (the API server takes the User-Agent's name).
+    fields = get_json(cluster, "colocatejob", "steps", "-n", namespace, "--show-managed-fields")
+    managers = {(m["manager"], m.get("subresource")) for m in fields["metadata"]["managedFields"]}
+    assert ("colocate-operator", "status") in managers, managers
     assert condition(st, "WeightSyncHealthy")["reason"] == "StepSucceeded"
     assert condition(st, "Progressing")["status"] == "True"
 
