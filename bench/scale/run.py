@@ -172,7 +172,9 @@ def _step_phase(
     emitter.start()
     time.sleep(spec.step_seconds)
     emitter.stop()
-    emitted_at = time.time()
+    # From when the last step's first record was written: until 2026-12-07 20:30 UTC from the emitter's
+    # stop, up to a round (1 s) later, which flattered the catch-up by as much.
+    emitted_at = emitter.last_round_at or time.time()
     behind, seen = len(jobs), tracker.steps_seen()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -108,6 +108,7 @@ class Emitter:
     records: str = "job"  # one of RECORDS (module docstring)
     steps: int = 0
     late_rounds: int = 0  # rounds that took longer than the interval
+    last_round_at: float | None = None  # wall time the last round began writing (its step's earliest record)
     round_seconds: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -128,7 +129,7 @@ class Emitter:
 
     def emit_round(self, client: redis.Redis) -> float:
         """One step for every job (pipelined); seconds it took."""
-        started = time.monotonic()
+        started, self.last_round_at = time.monotonic(), time.time()
         source = {"job": EMIT_COMPLETED, "gpu": emit_step_summary, "detailed": EMIT_STEP}[self.records]
         script = client.register_script(source if isinstance(source, str) else source())
         now = time.time()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale import audit, report
+from bench.scale import audit, report, status_write_bench
 from bench.scale.run import RunSpec, percentile, run
 from bench.scale.steps import Emitter
 from bench.scale.testbed import Testbed, username
@@ -25,9 +25,13 @@ def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
     try:
         spec = RunSpec("colocate", 2, settle_seconds=1, steady_seconds=1, step_seconds=3)
         result = run(bed, spec, tmp_path / "logs")
+        writes = status_write_bench.measure(bed, jobs=3, rounds=1)  # its own namespace, same control plane
     finally:
         bed.stop()
     assert result["complete"], result
+    # What a status write costs the API server: measured, and the stored job is ours with its status.
+    assert writes["status"][0]["apiserver_ms"] > 0 and writes["configmap"][0]["writes_per_s"] > 0, writes
+    assert writes["job_bytes"] > writes["managed_fields_bytes"] > 0, writes
     assert result["final_state"]["jobs_with_stale_status"] == 0
     assert result["final_state"]["gpu_pods"] == 8
     assert 0 < result["all_pods_running_seconds"] < 60
@@ -48,6 +52,7 @@ def test_two_jobs_on_eight_nodes(tmp_path: Path) -> None:
     # The operator's step daemon followed the jobs' streams: every step reached status, one write at most.
     steps = result["step_events"]
     assert steps["steps"] >= 2 and steps["jobs_behind_after_catch_up"] == 0
+    assert steps["job_object_bytes"]["status"] > 0 and steps["parts_cpu_seconds"]["kube-apiserver"] > 0
     assert 0 < steps["status_writes_per_job_per_step"] <= 1
     # A follower's first write starts from the job as the watch last showed it: no 409, no GET of the job.
     assert not steps["requests"]["errors"] and "get colocatejobs" not in steps["requests"]["by_kind"], steps
@@ -113,7 +118,9 @@ def test_emitted_summary_steps_are_one_completed_record_a_job_and_step(tmp_path:
     try:
         emitter = Emitter(server, "ns", ["a", "b"], pods=4, gpus_per_pod=8, records="gpu")
         client = server.client()
+        assert emitter.last_round_at is None
         emitter.emit_round(client)
+        assert emitter.last_round_at is not None  # the catch-up is timed from the last round's start
         emitter.emit_round(client)
         events = [e for _, e in decode_entries(client.xrange(stream_key("ns", "b")))]
         left = client.keys("colocate:ns:*:finished:*")
