@@ -168,3 +168,12 @@ def test_emitted_detailed_steps_are_step_events_that_complete_a_step(tmp_path: P
     assert {(e.role, e.phase, e.result) for e in events} == {("trainer", "finished", "ok")}
     assert len({e.gpu for e in events if e.step == 2}) == 32
     assert {e.weight_version for e in events} == {"1", "2"}
+
+
+def test_a_node_lease_outside_what_the_node_monitor_allows_is_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    for seconds in (5, 600):
+        with pytest.raises(ValueError, match="node_lease_seconds must be 10-300"):
+            Testbed(tmp_path / "bed", gpu_nodes=1, cpu_nodes=0, node_lease_seconds=seconds).start()
+    assert not (tmp_path / "bed").exists()
