@@ -39,7 +39,7 @@ from bench.scale.operators import (
 from bench.scale.steps import Emitter
 from bench.scale.testbed import OPERATOR_ACCOUNTS, Testbed, say, username
 from bench.scale.tracker import PodTimes, Tracker
-from bench.scale.workloads import GPUS_PER_POD, PODS_PER_JOB, WORKLOADS, Workload, job_name
+from bench.scale.workloads import GPUS_PER_POD, PODS_PER_JOB, WORKLOADS, Workload, job_name, stored_sizes
 
 _ERROR_LINE = re.compile(r'"(?:level|severity|levelname)"\s*:\s*"(?:error|critical|fatal)"', re.IGNORECASE)
 
@@ -204,26 +204,8 @@ def _step_phase(
         "parts_cpu_seconds": {
             name: round(c - parts0.get(name, 0.0), 2) for name, c in _parts_cpu(bed).items()
         },
-        "job_object_bytes": _object_sizes(bed, namespace, jobs[0]),
+        "job_object_bytes": stored_sizes(bed.api.get(WORKLOADS["colocate"].path(namespace, jobs[0]))),
         "window": [start, end],
-    }
-
-
-def _object_sizes(bed: Testbed, namespace: str, name: str) -> dict[str, int]:
-    """How big one job is as the API server stores it after the window (what each status write decodes,
-    patches, validates and encodes), and its parts."""
-    body = bed.api.get(WORKLOADS["colocate"].path(namespace, name))
-
-    def size(part: Any) -> int:
-        return len(json.dumps(part, separators=(",", ":")))
-
-    meta = body.get("metadata") or {}
-    return {
-        "whole": size(body),
-        "spec": size(body.get("spec")),
-        "status": size(body.get("status")),
-        "managed_fields": size(meta.get("managedFields")),
-        "managers": len(meta.get("managedFields") or ()),
     }
 
 

@@ -25,19 +25,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.scale.operators import usage
 from bench.scale.testbed import ROOT, Testbed
-from bench.scale.workloads import COLOCATE, colocate_job, job_name
+from bench.scale.workloads import COLOCATE, colocate_job, job_name, stored_sizes
 from colocate_operator.status import StepRecordStatus, WeightSyncStatus, step_patch
 
 NAMESPACE = "status-bench"
 THREADS = 16  # the operator's WRITES_IN_FLIGHT
 RESULTS = ROOT / "bench" / "results" / "status_writes.jsonl"
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def reconciler_status() -> dict[str, Any]:
@@ -127,14 +122,14 @@ def timed_round(
     """Every path patched once by THREADS threads: writes a second; API server and etcd CPU ms a write."""
     api_pid, etcd_pid = bed.pid_of("kube-apiserver"), bed.pid_of("etcd")
     assert api_pid and etcd_pid
-    api0, etcd0, started = cpu_seconds(api_pid), cpu_seconds(etcd_pid), time.monotonic()
+    api0, etcd0, started = usage(api_pid).cpu_seconds, usage(etcd_pid).cpu_seconds, time.monotonic()
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(lambda path: bed.api.merge_patch(path, patch(round_)), paths))
     wall, n = time.monotonic() - started, len(paths)
     return {
         "writes_per_s": round(n / wall, 1),
-        "apiserver_ms": round(1000 * (cpu_seconds(api_pid) - api0) / n, 2),
-        "etcd_ms": round(1000 * (cpu_seconds(etcd_pid) - etcd0) / n, 2),
+        "apiserver_ms": round(1000 * (usage(api_pid).cpu_seconds - api0) / n, 2),
+        "etcd_ms": round(1000 * (usage(etcd_pid).cpu_seconds - etcd0) / n, 2),
     }
 
 
@@ -163,11 +158,8 @@ def measure(bed: Testbed, jobs: int, rounds: int) -> dict[str, Any]:
             timed_round(bed, [f"{maps}/{n}" for n in names], lambda i: {"data": {"v": str(i)}}, r)
         )
         result["status"].append(timed_round(bed, status_paths, lambda i: step_status(i, owned), r))
-    stored = bed.api.get(f"{base}/{names[0]}")
-    result["job_bytes"] = len(json.dumps(stored, separators=(",", ":")))
-    result["managed_fields_bytes"] = len(
-        json.dumps(stored["metadata"].get("managedFields"), separators=(",", ":"))
-    )
+    stored = stored_sizes(bed.api.get(f"{base}/{names[0]}"))
+    result["job_bytes"], result["managed_fields_bytes"] = stored["whole"], stored["managed_fields"]
     stop.set()
     return result
 

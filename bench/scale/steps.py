@@ -130,17 +130,13 @@ class Emitter:
     def emit_round(self, client: redis.Redis) -> float:
         """One step for every job (pipelined); seconds it took."""
         started, self.last_round_at = time.monotonic(), time.time()
-        source = {"job": EMIT_COMPLETED, "gpu": emit_step_summary, "detailed": EMIT_STEP}[self.records]
-        script = client.register_script(source if isinstance(source, str) else source())
+        script = client.register_script(self._script())
         now = time.time()
         step, ts = self.steps + 1, f"{now:.6f}"
         args: list[object] = [str(step), ts, self.pods, self.gpus_per_pod, STREAM_MAXLEN]
-        whole = self.records == "job"
-        record = (
-            completed_fields(step, now, self.pods, self.gpus_per_pod, whole)
-            if self.records != "detailed"
-            else []
-        )
+        record: list[str] = []
+        if self.records != "detailed":  # "job": the figures summed, as the last GPU's script call sets them
+            record = completed_fields(step, now, self.pods, self.gpus_per_pod, whole=self.records == "job")
         pipe = client.pipeline(transaction=False)
         for job in self.jobs:
             keys = KeySchema(self.namespace, job)
@@ -154,6 +150,11 @@ class Emitter:
         pipe.execute()
         self.steps += 1
         return time.monotonic() - started
+
+    def _script(self) -> str:
+        if self.records == "job":
+            return EMIT_COMPLETED
+        return emit_step_summary() if self.records == "gpu" else EMIT_STEP
 
     def _run(self) -> None:
         client = self.redis_.client(socket_timeout=10)  # a 250-job round is one long pipeline

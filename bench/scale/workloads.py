@@ -8,6 +8,7 @@ tolerates the GPU taint, so the scheduler does the same bin packing for both.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,4 +134,21 @@ def ray_cluster(namespace: str, name: str) -> dict[str, Any]:
                 }
             ],
         },
+    }
+
+
+def stored_sizes(body: dict[str, Any]) -> dict[str, int]:
+    """How big an object is as the API server stores it (what each write decodes, patches, validates and
+    encodes), and its parts, in compact JSON bytes."""
+
+    def size(part: Any) -> int:
+        return len(json.dumps(part, separators=(",", ":")))
+
+    managed = (body.get("metadata") or {}).get("managedFields")
+    return {
+        "whole": size(body),
+        "spec": size(body.get("spec")),
+        "status": size(body.get("status")),
+        "managed_fields": size(managed),
+        "managers": len(managed or ()),
     }
