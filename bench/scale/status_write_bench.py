@@ -9,6 +9,10 @@ baseline of a built-in type. Two watches of the jobs stand in for the operator's
 prints one JSON line (and appends it to bench/results/status_writes.jsonl): per round the writes a second
 and kube-apiserver's and etcd's CPU milliseconds a write, and the stored job's size. At 1000 jobs a step
 status that must catch up within 10 s needs 100 such writes a second from what the API server has left.
+
+`--rules` measures the CRD with some of its CEL rules taken out (what they cost a status write, which
+validates the whole object): `transition` (the spec's three rules reading oldSelf), `spec` (all of spec's
+own cross-field rules), `none` (every rule in the schema). An exploration: the operator ships `all`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.scale.operators import usage
+from bench.scale.source import OperatorSource, snapshot
 from bench.scale.testbed import ROOT, Testbed
 from bench.scale.workloads import COLOCATE, colocate_job, job_name, stored_sizes
 from colocate_operator.status import StepRecordStatus, WeightSyncStatus, step_patch
@@ -33,6 +40,34 @@ from colocate_operator.status import StepRecordStatus, WeightSyncStatus, step_pa
 NAMESPACE = "status-bench"
 THREADS = 16  # the operator's WRITES_IN_FLIGHT
 RESULTS = ROOT / "bench" / "results" / "status_writes.jsonl"
+
+
+RULES = ("all", "transition", "spec", "none")
+
+
+def _strip_rules(node: Any) -> None:
+    if isinstance(node, dict):
+        node.pop("x-kubernetes-validations", None)
+        for value in node.values():
+            _strip_rules(value)
+    elif isinstance(node, list):
+        for value in node:
+            _strip_rules(value)
+
+
+def crd_without(crd: dict[str, Any], rules: str) -> dict[str, Any]:
+    """`crd` (a parsed copy, changed in place) without the CEL rules `rules` names (see the module's doc)."""
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    own = spec.get("x-kubernetes-validations", [])
+    if rules == "transition":
+        spec["x-kubernetes-validations"] = [rule for rule in own if "oldSelf" not in rule["rule"]]
+    elif rules == "spec":
+        spec.pop("x-kubernetes-validations", None)
+    elif rules == "none":
+        _strip_rules(crd)
+    elif rules != "all":
+        raise ValueError(f"--rules must be one of {RULES}, not {rules!r}")
+    return crd
 
 
 def reconciler_status() -> dict[str, Any]:
@@ -168,15 +203,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rules", choices=RULES, default="all", help="the CRD's CEL rules kept (see above)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON line is appended here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="status-bench-") as work:
-        bed = Testbed(Path(work), gpu_nodes=0, cpu_nodes=0).start()
+        shipped = snapshot("worktree", Path(work)).crd
+        crd = Path(work) / "crd.yaml"
+        crd.write_text(yaml.safe_dump(crd_without(yaml.safe_load(shipped.read_text()), args.rules)))
+        bed = Testbed(
+            Path(work) / "bed", gpu_nodes=0, cpu_nodes=0, source=OperatorSource("", "", crd)
+        ).start()
         try:
             result = measure(bed, args.jobs, args.rounds)
         finally:
             bed.stop()
-    result.update(time=datetime.now(UTC).isoformat(timespec="seconds"), load=os.getloadavg()[0])
+    result.update(
+        rules=args.rules, time=datetime.now(UTC).isoformat(timespec="seconds"), load=os.getloadavg()[0]
+    )
     line = json.dumps(result)
     print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
