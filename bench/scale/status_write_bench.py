@@ -55,9 +55,14 @@ def _strip_rules(node: Any) -> None:
             _strip_rules(value)
 
 
+def spec_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    """The schema of the (only) version's `spec`, where the cross-field rules live."""
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
 def crd_without(crd: dict[str, Any], rules: str) -> dict[str, Any]:
     """`crd` (a parsed copy, changed in place) without the CEL rules `rules` names (see the module's doc)."""
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = spec_schema(crd)
     own = spec.get("x-kubernetes-validations", [])
     if rules == "transition":
         spec["x-kubernetes-validations"] = [rule for rule in own if "oldSelf" not in rule["rule"]]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from bench.scale.source import snapshot
-from bench.scale.status_write_bench import crd_without
+from bench.scale.status_write_bench import crd_without, spec_schema
 
 
 def shipped() -> dict[str, Any]:
@@ -18,8 +18,7 @@ def shipped() -> dict[str, Any]:
 
 
 def spec_rules(crd: dict[str, Any]) -> list[str]:
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    return [rule["rule"] for rule in spec.get("x-kubernetes-validations", [])]
+    return [rule["rule"] for rule in spec_schema(crd).get("x-kubernetes-validations", [])]
 
 
 def all_rules(crd: dict[str, Any]) -> int:
