@@ -98,6 +98,16 @@ def test_the_baseline_window_stays_bounded() -> None:
     assert fold.status() is not None and fold.status().consistency.baseline_steps == 7  # type: ignore[union-attr]
 
 
+def test_the_status_shows_four_significant_digits_where_the_metrics_keep_the_full_values() -> None:
+    fold = fold_of(0.0123456789, 2.3456789e-6, 1.0 / 3)  # a breach, then two reports
+    part = step_patch(StepTracker(expected_gpus=1).weight_sync_status(), (), [], fold.status())
+    c = part["rollout"]["consistency"]
+    assert (c["kl"], c["logpDiffMean"], c["logpDiffMax"]) == (0.3333, 3.333, 33.33), c
+    assert fold.last is not None and fold.last.kl == 1.0 / 3  # the fold (and the gauges) keep all digits
+    shown = fold_of(2.3456789e-6).status()
+    assert shown is not None and shown.model_dump(by_alias=True)["consistency"]["kl"] == 2.346e-6
+
+
 def test_no_data_when_steps_go_on_without_reports() -> None:
     fold = fold_of(0.001)
     c = fold.condition(1 + 6)
