@@ -120,7 +120,7 @@ class ConsistencyStatus(_Model):
     last_breach_time: str | None = None  # when the newest breach began (its first report's time)
 
     # People read these (`kubectl get` prints the KL column as written): four significant digits say all a
-    # threshold needs, where a raw float prints 17. The metrics keep the full values.
+    # threshold needs, where a raw float prints up to 17. The metrics keep the full values.
     @field_serializer("kl", "logp_diff_mean", "logp_diff_max", "logp_over_fraction", "baseline_kl")
     def _four_digits(self, value: float | None) -> float | None:
         return None if value is None else float(f"{value:.4g}")
